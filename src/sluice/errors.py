@@ -1,0 +1,120 @@
+"""The one error hierarchy of Sluice.
+
+Every error Sluice raises on purpose derives from :class:`SluiceError`. Third-party
+errors are translated at the boundary (``raise ... from exc``) into one of these::
+
+    SluiceError
+    ├── ProtocolError                 bytes that break a wire format
+    │   ├── SSEEncodeError            a value that cannot be framed (CR/LF in an id, ...)
+    │   └── SSEDecodeError            input the SSE decoder refuses
+    │       └── LineTooLongError      a line past the decoder's ``max_line_bytes``
+    ├── StreamError                   about one stream; carries ``stream_id``
+    │   ├── StreamNotFoundError       unknown, expired, or never existed
+    │   ├── IllegalTransitionError    a state change the state table forbids
+    │   └── ResumeGapError            the asked position is no longer retained
+    ├── BadRequestError               client input that fails validation
+    │   └── BadEventIdError           a malformed ``Last-Event-ID`` or stream id
+    ├── BackendError                  a backend failed while generating
+    └── ConfigError                   settings that cannot work
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendError",
+    "BadEventIdError",
+    "BadRequestError",
+    "ConfigError",
+    "IllegalTransitionError",
+    "LineTooLongError",
+    "ProtocolError",
+    "ResumeGapError",
+    "SSEDecodeError",
+    "SSEEncodeError",
+    "SluiceError",
+    "StreamError",
+    "StreamNotFoundError",
+]
+
+
+class SluiceError(Exception):
+    """Base of every error Sluice raises on purpose."""
+
+
+class ProtocolError(SluiceError):
+    """Bytes that break a wire format."""
+
+
+class SSEEncodeError(ProtocolError, ValueError):
+    """A value that cannot be written as an SSE field (for example CR or LF in an id)."""
+
+
+class SSEDecodeError(ProtocolError):
+    """Input the SSE decoder refuses."""
+
+
+class LineTooLongError(SSEDecodeError):
+    """A line grew past the decoder's ``max_line_bytes`` without a line end."""
+
+    def __init__(self, max_line_bytes: int) -> None:
+        super().__init__(f"SSE line longer than {max_line_bytes} bytes without a line end")
+        self.max_line_bytes = max_line_bytes
+
+
+class StreamError(SluiceError):
+    """An error about one stream."""
+
+    def __init__(self, message: str, *, stream_id: str) -> None:
+        super().__init__(message)
+        self.stream_id = stream_id
+
+
+class StreamNotFoundError(StreamError):
+    """The stream is unknown: never created, or expired past its retention window."""
+
+    def __init__(self, stream_id: str) -> None:
+        super().__init__(f"stream {stream_id!r} not found", stream_id=stream_id)
+
+
+class IllegalTransitionError(StreamError):
+    """A state change the stream state table does not allow."""
+
+    def __init__(self, stream_id: str, current: str, target: str) -> None:
+        super().__init__(
+            f"stream {stream_id!r}: illegal transition {current} -> {target}", stream_id=stream_id
+        )
+        self.current = current
+        self.target = target
+
+
+class ResumeGapError(StreamError):
+    """A reader asked to resume after an event the log no longer holds."""
+
+    def __init__(self, stream_id: str, after_seq: int, first_retained_seq: int) -> None:
+        super().__init__(
+            f"stream {stream_id!r}: cannot resume after event {after_seq}; "
+            f"the oldest retained event is {first_retained_seq}",
+            stream_id=stream_id,
+        )
+        self.after_seq = after_seq
+        self.first_retained_seq = first_retained_seq
+
+
+class BadRequestError(SluiceError):
+    """Client input that fails validation; the message says what was wrong."""
+
+
+class BadEventIdError(BadRequestError):
+    """A malformed ``Last-Event-ID`` or stream id."""
+
+
+class BackendError(SluiceError):
+    """A backend failed while generating."""
+
+    def __init__(self, message: str, *, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class ConfigError(SluiceError, ValueError):
+    """Settings that cannot work."""
