@@ -15,6 +15,7 @@ errors are translated at the boundary (``raise ... from exc``) into one of these
     ├── BadRequestError               client input that fails validation
     │   └── BadEventIdError           a malformed ``Last-Event-ID`` or stream id
     ├── BackendError                  a backend failed while generating
+    ├── CapacityError                 no room for another stream; carries ``retry_after_s``
     └── ConfigError                   settings that cannot work
 """
 
@@ -24,6 +25,7 @@ __all__ = [
     "BackendError",
     "BadEventIdError",
     "BadRequestError",
+    "CapacityError",
     "ConfigError",
     "IllegalTransitionError",
     "LineTooLongError",
@@ -118,3 +120,11 @@ class BackendError(SluiceError):
 
 class ConfigError(SluiceError, ValueError):
     """Settings that cannot work."""
+
+
+class CapacityError(SluiceError):
+    """No room for another stream now; try again after ``retry_after_s`` seconds."""
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

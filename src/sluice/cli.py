@@ -1,0 +1,152 @@
+"""The ``sluice`` command: ``sluice serve`` runs the server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from sluice import __version__
+from sluice.errors import ConfigError
+from sluice.gateway.app import create_app
+from sluice.gateway.settings import Settings
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sluice",
+        description="Sluice: resumable, cancellable LLM token streams over Server-Sent Events.",
+    )
+    parser.add_argument("--version", action="version", version=f"sluice {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    defaults = Settings()
+    serve = commands.add_parser(
+        "serve",
+        help="run the HTTP server",
+        description="Run the Sluice HTTP server (browser page at /, native API under /v1).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    serve.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=defaults.heartbeat_interval_s,
+        metavar="SECONDS",
+        help="idle seconds before an SSE stream gets a ': ping' comment",
+    )
+    serve.add_argument(
+        "--retry",
+        type=int,
+        default=defaults.retry_ms,
+        metavar="MS",
+        help="reconnection delay hinted to EventSource clients (SSE 'retry:' field)",
+    )
+    serve.add_argument(
+        "--grace",
+        type=float,
+        default=defaults.default_grace_s,
+        metavar="SECONDS",
+        help="how long a resumable stream with no reader waits for one before it is cancelled",
+    )
+    serve.add_argument(
+        "--retention",
+        type=float,
+        default=defaults.retention_s,
+        metavar="SECONDS",
+        help="how long a finished stream stays readable for late reconnects",
+    )
+    serve.add_argument(
+        "--max-streams",
+        type=int,
+        default=defaults.max_streams,
+        help="streams held at once (live or retained); more are refused with 503",
+    )
+    serve.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=defaults.max_prompt_chars,
+        help="longest prompt or demo text accepted",
+    )
+    serve.add_argument(
+        "--cors-origin",
+        action="append",
+        default=None,
+        metavar="ORIGIN",
+        help="browser origin allowed to call the API (repeatable; default: any origin)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="on SIGINT/SIGTERM, how long open streams get before they are closed",
+    )
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="logging verbosity",
+    )
+    serve.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log every HTTP request",
+    )
+    return parser
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    return Settings(
+        heartbeat_interval_s=args.heartbeat_interval,
+        retry_ms=args.retry,
+        default_grace_s=args.grace,
+        retention_s=args.retention,
+        max_streams=args.max_streams,
+        max_prompt_chars=args.max_prompt_chars,
+        cors_allow_origins=tuple(args.cors_origin or ("*",)),
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    try:
+        settings = _settings(args)
+    except ConfigError as exc:
+        print(f"sluice serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        http="httptools",
+        ws="none",
+        lifespan="on",
+        log_level=args.log_level,
+        access_log=args.access_log,
+        server_header=False,
+        backlog=4096,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    print(f"Sluice {__version__}: page at http://{args.host}:{args.port}/", flush=True)
+    uvicorn.Server(config).run()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    raise AssertionError(f"unhandled command {args.command!r}")  # pragma: no cover
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

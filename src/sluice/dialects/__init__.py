@@ -1,0 +1,1 @@
+"""Dialects: pure functions from neutral events to wire payloads."""

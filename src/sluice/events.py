@@ -1,0 +1,90 @@
+"""Neutral stream events: what a producer appends to a stream's log.
+
+Every transport and dialect renders these; none of them knows about SSE, JSON or HTTP.
+They are frozen values that compare by value, so tests can say ``assert events == [...]``.
+Exactly one terminal event (:class:`Finished` or :class:`Error`) ends every stream.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = [
+    "Error",
+    "FinishReason",
+    "Finished",
+    "NeutralEvent",
+    "Started",
+    "TextDelta",
+    "ToolCallDelta",
+    "Usage",
+    "is_terminal",
+]
+
+
+class FinishReason(enum.StrEnum):
+    """Why a stream ended without an error."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    TOOL_CALLS = "tool_calls"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """The stream exists and its producer has begun; ``created`` is Unix seconds."""
+
+    model: str
+    created: int
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """A piece of generated text (one token, or several coalesced)."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A fragment of a tool call; ``id`` and ``name`` come with the first fragment only."""
+
+    index: int
+    arguments_delta: str
+    id: str | None = None
+    name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of the generation so far (recorded for cancelled streams too)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """Terminal: the stream ended for ``reason``."""
+
+    reason: FinishReason
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """Terminal: the stream failed. ``type`` is a stable code such as ``backend_error``."""
+
+    type: str
+    message: str
+    retryable: bool = False
+
+
+NeutralEvent = Started | TextDelta | ToolCallDelta | Usage | Finished | Error
+
+
+def is_terminal(event: NeutralEvent) -> bool:
+    """True for the events that end a stream."""
+    return isinstance(event, Finished | Error)

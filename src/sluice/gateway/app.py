@@ -1,0 +1,118 @@
+"""``create_app(settings)``: the whole ASGI application.
+
+The SSE reads (``GET /v1/streams/{id}/events``, ``GET /v1/demo/words``) are dispatched
+straight to :class:`~sluice.gateway.streaming.EventStreams`; everything else goes through a
+small Starlette app (routing, CORS preflight, the lifespan that runs the hub).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+from importlib import resources
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from sluice.backends.base import Backend
+from sluice.backends.words import WordsBackend
+from sluice.gateway.errors import error_response
+from sluice.gateway.routes import NativeApi
+from sluice.gateway.settings import Settings
+from sluice.gateway.streaming import EventStreams
+from sluice.streams.hub import HubSettings, StreamHub
+from sluice.streams.log import LogLimits
+from sluice.streams.memory import MemoryEventLog
+from sluice.transports.asgi import Receive, Scope, Send
+
+__all__ = ["SluiceApp", "create_app"]
+
+_STREAMS_PREFIX = "/v1/streams/"
+_EVENTS_SUFFIX = "/events"
+
+
+class SluiceApp:
+    """The ASGI callable; ``hub`` is exposed for operations and tests."""
+
+    def __init__(self, settings: Settings, backends: Mapping[str, Backend]) -> None:
+        self.settings = settings
+        log = MemoryEventLog(LogLimits(settings.max_log_records, settings.max_log_bytes))
+        hub_settings = HubSettings(
+            default_grace_s=settings.default_grace_s,
+            retention_s=settings.retention_s,
+            max_streams=settings.max_streams,
+        )
+        self.hub = StreamHub(log, backends, hub_settings)
+        self._streams = EventStreams(self.hub, settings)
+        page = resources.files("sluice.web").joinpath("index.html").read_text("utf-8")
+        api = NativeApi(self.hub, settings, page)
+        self._framework = Starlette(
+            routes=[
+                Route("/", api.page, methods=["GET"]),
+                Route("/healthz", api.healthz, methods=["GET"]),
+                Route("/readyz", api.readyz, methods=["GET"]),
+                Route("/v1/models", api.models, methods=["GET"]),
+                Route("/v1/streams", api.create_stream, methods=["POST"]),
+                Route("/v1/streams/{stream_id}", api.get_stream, methods=["GET"]),
+                Route("/v1/streams/{stream_id}/cancel", api.cancel_stream, methods=["POST"]),
+                Route("/v1/streams/{stream_id}/events", _method_not_allowed, methods=["GET"]),
+                Route("/v1/demo/words", _method_not_allowed, methods=["GET"]),
+            ],
+            middleware=[
+                Middleware(
+                    CORSMiddleware,
+                    allow_origins=list(settings.cors_allow_origins),
+                    allow_methods=["GET", "POST", "OPTIONS"],
+                    allow_headers=["Last-Event-ID", "Content-Type", "Authorization"],
+                    max_age=600,
+                ),
+            ],
+            exception_handlers={HTTPException: _http_error},
+            lifespan=self._lifespan,
+        )
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        async with self.hub.running():
+            yield
+        for backend in set(self.hub.backends.values()):
+            await backend.aclose()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "GET":
+            path: str = scope["path"]
+            if path.startswith(_STREAMS_PREFIX) and path.endswith(_EVENTS_SUFFIX):
+                stream_id = path[len(_STREAMS_PREFIX) : -len(_EVENTS_SUFFIX)]
+                await self._streams.events(scope, receive, send, stream_id)
+                return
+            if path == "/v1/demo/words":
+                await self._streams.demo_words(scope, receive, send)
+                return
+        await self._framework(scope, receive, send)
+
+
+async def _method_not_allowed(request: Request) -> Response:  # pragma: no cover - GETs go fast
+    return error_response(405, "method_not_allowed", "use GET")
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    detail = exc.detail if isinstance(exc, HTTPException) else "internal server error"
+    code = {404: "not_found", 405: "method_not_allowed"}.get(status, "http_error")
+    return error_response(status, code, str(detail))
+
+
+def create_app(
+    settings: Settings | None = None, backends: Mapping[str, Backend] | None = None
+) -> SluiceApp:
+    """Build the app; the ``words`` backend is always served."""
+    settings = settings or Settings()
+    served: dict[str, Backend] = {"words": WordsBackend()}
+    if backends:
+        served.update(backends)
+    return SluiceApp(settings, served)

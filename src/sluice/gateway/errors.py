@@ -1,0 +1,54 @@
+"""Turning errors into HTTP answers: one JSON shape, one place.
+
+Body: ``{"error": {"type": ..., "code": ..., "message": ...}}`` (the OpenAI error shape, so
+every client of ours reads the same thing).
+"""
+
+from __future__ import annotations
+
+from starlette.responses import JSONResponse, Response
+
+from sluice.errors import (
+    BadEventIdError,
+    BadRequestError,
+    CapacityError,
+    SluiceError,
+    StreamNotFoundError,
+)
+
+__all__ = ["PayloadTooLargeError", "error_response", "response_for"]
+
+
+class PayloadTooLargeError(BadRequestError):
+    """A request body over the configured bound."""
+
+
+def error_response(
+    status: int,
+    code: str,
+    message: str,
+    *,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    """A JSON error response."""
+    error_type = "invalid_request_error" if status < 500 else "server_error"
+    if status in (429, 503):
+        error_type = "overloaded_error"
+    payload = {"error": {"type": error_type, "code": code, "message": message}}
+    return JSONResponse(payload, status_code=status, headers=headers)
+
+
+def response_for(exc: SluiceError) -> Response:
+    """The HTTP answer for an error raised before a response started."""
+    if isinstance(exc, StreamNotFoundError):
+        return error_response(404, "stream_not_found", str(exc))
+    if isinstance(exc, PayloadTooLargeError):
+        return error_response(413, "payload_too_large", str(exc))
+    if isinstance(exc, BadEventIdError):
+        return error_response(400, "bad_event_id", str(exc))
+    if isinstance(exc, BadRequestError):
+        return error_response(400, "invalid_request", str(exc))
+    if isinstance(exc, CapacityError):
+        retry_after = str(max(1, round(exc.retry_after_s)))
+        return error_response(503, "overloaded", str(exc), headers={"Retry-After": retry_after})
+    return error_response(500, "internal_error", "internal server error")

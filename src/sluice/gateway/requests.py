@@ -1,0 +1,133 @@
+"""Request bodies and query strings: parsed, bounded, and explained when wrong."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from sluice.backends.base import GenerationRequest
+from sluice.errors import BadEventIdError, BadRequestError
+from sluice.gateway.errors import PayloadTooLargeError
+from sluice.gateway.settings import Settings
+from sluice.streams.ids import parse_event_id
+from sluice.transports.asgi import Receive, Scope
+
+__all__ = [
+    "CreateStreamBody",
+    "last_event_id",
+    "read_json_body",
+    "to_generation_request",
+]
+
+
+class CreateStreamBody(BaseModel):
+    """``POST /v1/streams``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt: str
+    model: str | None = None
+    interval_ms: Annotated[float, Field(ge=0)] = 0
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    resumable: bool = True
+    grace_s: Annotated[float, Field(ge=0)] | None = None
+
+
+def _explain(exc: ValidationError) -> str:
+    parts = []
+    for error in exc.errors(include_url=False):
+        where = ".".join(str(part) for part in error["loc"]) or "body"
+        parts.append(f"{where}: {error['msg']}")
+    return "; ".join(parts)
+
+
+async def read_json_body(scope: Scope, receive: Receive, max_bytes: int) -> object:
+    """Read and parse a JSON request body of at most ``max_bytes``."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                declared = int(value)
+            except ValueError:
+                raise BadRequestError("malformed Content-Length header") from None
+            if declared > max_bytes:
+                raise PayloadTooLargeError(f"request body over {max_bytes} bytes")
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise BadRequestError("client disconnected while sending the body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > max_bytes:
+            raise PayloadTooLargeError(f"request body over {max_bytes} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    body = b"".join(chunks)
+    if not body:
+        raise BadRequestError("request body is empty; send a JSON object")
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequestError(f"malformed JSON: {exc}") from exc
+
+
+def parse_create_stream(payload: object, settings: Settings) -> CreateStreamBody:
+    """Validate a ``POST /v1/streams`` body against the model and the server's bounds."""
+    if not isinstance(payload, dict):
+        raise BadRequestError("request body must be a JSON object")
+    try:
+        body = CreateStreamBody.model_validate(payload)
+    except ValidationError as exc:
+        raise BadRequestError(_explain(exc)) from exc
+    check_bounds(body.prompt, body.interval_ms, body.max_tokens, settings)
+    return body
+
+
+def check_bounds(
+    prompt: str, interval_ms: float, max_tokens: int | None, settings: Settings
+) -> None:
+    """Refuse absurd values with a message naming the bound."""
+    if len(prompt) > settings.max_prompt_chars:
+        raise BadRequestError(
+            f"prompt: {len(prompt)} characters is over the limit of {settings.max_prompt_chars}"
+        )
+    if not 0 <= interval_ms <= settings.max_interval_ms:
+        raise BadRequestError(
+            f"interval_ms: must be between 0 and {settings.max_interval_ms:g}, got {interval_ms:g}"
+        )
+    if max_tokens is not None and not 1 <= max_tokens <= settings.max_tokens_limit:
+        raise BadRequestError(
+            f"max_tokens: must be between 1 and {settings.max_tokens_limit}, got {max_tokens}"
+        )
+
+
+def to_generation_request(
+    prompt: str, interval_ms: float, max_tokens: int | None
+) -> GenerationRequest:
+    return GenerationRequest(prompt=prompt, max_tokens=max_tokens, interval_s=interval_ms / 1000)
+
+
+def last_event_id(scope: Scope, query: dict[str, list[str]]) -> tuple[str, int] | None:
+    """The ``Last-Event-ID`` (header first, then ``?last_event_id=``) as ``(stream, seq)``.
+
+    An empty value means "no id" (what EventSource sends when it has none).
+    """
+    raw: str | None = None
+    for name, value in scope["headers"]:
+        if name == b"last-event-id":
+            try:
+                raw = value.decode("utf-8")
+            except UnicodeDecodeError:
+                raise BadEventIdError("Last-Event-ID is not valid UTF-8") from None
+            break
+    if raw is None:
+        values = query.get("last_event_id")
+        if values:
+            raw = values[-1]
+    if not raw:
+        return None
+    return parse_event_id(raw)

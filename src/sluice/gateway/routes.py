@@ -1,0 +1,78 @@
+"""The JSON endpoints of the native API, the page, and the health checks."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+
+from sluice.errors import BadEventIdError, SluiceError
+from sluice.gateway.errors import response_for
+from sluice.gateway.requests import parse_create_stream, read_json_body, to_generation_request
+from sluice.gateway.settings import Settings
+from sluice.streams.hub import Stream, StreamHub
+from sluice.streams.ids import is_stream_id
+
+__all__ = ["NativeApi"]
+
+
+class NativeApi:
+    """Request handlers bound to one hub."""
+
+    def __init__(self, hub: StreamHub, settings: Settings, page_html: str) -> None:
+        self._hub = hub
+        self._settings = settings
+        self._page_html = page_html
+
+    def _stream(self, request: Request) -> Stream:
+        stream_id = request.path_params["stream_id"]
+        if not is_stream_id(stream_id):
+            raise BadEventIdError(f"malformed stream id {stream_id[:80]!r}")
+        return self._hub.get(stream_id)
+
+    async def create_stream(self, request: Request) -> Response:
+        try:
+            payload = await read_json_body(
+                request.scope, request.receive, self._settings.max_body_bytes
+            )
+            body = parse_create_stream(payload, self._settings)
+            stream = await self._hub.create(
+                body.model or self._settings.default_model,
+                to_generation_request(body.prompt, body.interval_ms, body.max_tokens),
+                resumable=body.resumable,
+                grace_s=body.grace_s,
+            )
+        except SluiceError as exc:
+            return response_for(exc)
+        base = f"/v1/streams/{stream.id}"
+        payload = {
+            **stream.describe(),
+            "events_url": f"{base}/events",
+            "cancel_url": f"{base}/cancel",
+        }
+        return JSONResponse(payload, status_code=201, headers={"Location": base})
+
+    async def get_stream(self, request: Request) -> Response:
+        try:
+            return JSONResponse(self._stream(request).describe())
+        except SluiceError as exc:
+            return response_for(exc)
+
+    async def cancel_stream(self, request: Request) -> Response:
+        try:
+            stream = self._hub.cancel(self._stream(request).id)
+        except SluiceError as exc:
+            return response_for(exc)
+        return JSONResponse(stream.describe(), status_code=202)
+
+    async def models(self, request: Request) -> Response:
+        data = [{"id": model, "object": "model", "owned_by": "sluice"} for model in self._hub.models]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def page(self, request: Request) -> Response:
+        return HTMLResponse(self._page_html, headers={"Cache-Control": "no-cache"})
+
+    async def healthz(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(self, request: Request) -> Response:
+        return JSONResponse({"status": "ready", "streams": len(self._hub)})

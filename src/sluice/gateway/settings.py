@@ -1,0 +1,57 @@
+"""Gateway settings: one frozen dataclass, validated when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sluice.errors import ConfigError
+
+__all__ = ["Settings"]
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything the app needs to know; the CLI builds one from its options."""
+
+    # SSE delivery
+    heartbeat_interval_s: float = 15.0
+    retry_ms: int = 1000
+    max_batch_records: int = 512
+    # Stream lifecycle
+    default_grace_s: float = 15.0
+    retention_s: float = 300.0
+    max_streams: int = 100_000
+    max_log_records: int = 100_000
+    max_log_bytes: int = 16 * 1024 * 1024
+    # Input bounds
+    max_body_bytes: int = 1024 * 1024
+    max_prompt_chars: int = 200_000
+    max_interval_ms: float = 60_000.0
+    max_tokens_limit: int = 1_000_000
+    # Which model a request gets when it names none.
+    default_model: str = "words"
+    cors_allow_origins: tuple[str, ...] = field(default=("*",))
+
+    def __post_init__(self) -> None:
+        positive = {
+            "heartbeat_interval_s": self.heartbeat_interval_s,
+            "max_batch_records": self.max_batch_records,
+            "max_streams": self.max_streams,
+            "max_log_records": self.max_log_records,
+            "max_log_bytes": self.max_log_bytes,
+            "max_body_bytes": self.max_body_bytes,
+            "max_prompt_chars": self.max_prompt_chars,
+            "max_tokens_limit": self.max_tokens_limit,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"{name} must be positive, got {value!r}")
+        non_negative = {
+            "retry_ms": self.retry_ms,
+            "default_grace_s": self.default_grace_s,
+            "retention_s": self.retention_s,
+            "max_interval_ms": self.max_interval_ms,
+        }
+        for name, value in non_negative.items():
+            if value < 0:
+                raise ConfigError(f"{name} must not be negative, got {value!r}")

@@ -1,0 +1,138 @@
+"""The SSE endpoints, as plain ASGI: ``/v1/streams/{id}/events`` and ``/v1/demo/words``.
+
+These hold a connection for the life of a stream, so they skip the framework's middleware
+stack: every coroutine frame and wrapper here is multiplied by the number of held streams.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import parse_qs
+
+from starlette.responses import Response
+
+from sluice.errors import BadEventIdError, BadRequestError, SluiceError
+from sluice.gateway.errors import response_for
+from sluice.gateway.requests import check_bounds, last_event_id, to_generation_request
+from sluice.gateway.settings import Settings
+from sluice.streams.hub import Stream, StreamHub
+from sluice.streams.ids import is_stream_id
+from sluice.streams.reader import Reader
+from sluice.transports.asgi import Receive, Scope, Send
+from sluice.transports.sse import SSEOptions, send_event_stream
+
+__all__ = ["EventStreams"]
+
+
+class EventStreams:
+    """Serves SSE reads of the hub's streams."""
+
+    def __init__(self, hub: StreamHub, settings: Settings) -> None:
+        self._hub = hub
+        self._settings = settings
+        self._options = SSEOptions(
+            heartbeat_interval_s=settings.heartbeat_interval_s,
+            retry_ms=settings.retry_ms,
+            max_batch_records=settings.max_batch_records,
+        )
+
+    def _cors_headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
+        origins = self._settings.cors_allow_origins
+        if "*" in origins:
+            return [(b"access-control-allow-origin", b"*")]
+        for name, value in scope["headers"]:
+            if name == b"origin" and value.decode("latin-1") in origins:
+                return [(b"access-control-allow-origin", value), (b"vary", b"Origin")]
+        return []
+
+    async def _open(self, stream: Stream, after_seq: int) -> Reader | None:
+        """A reader after ``after_seq``, or ``None`` when there is nothing left to send."""
+        last_seq = await self._hub.log.last_seq(stream.id)
+        if after_seq > last_seq:
+            raise BadEventIdError(
+                f"Last-Event-ID names event {after_seq}, but stream {stream.id} has {last_seq}"
+            )
+        if stream.is_terminal and after_seq >= last_seq:
+            return None
+        return await self._hub.open_reader(stream.id, after_seq)
+
+    async def _resume(self, position: tuple[str, int], stream_id: str | None) -> Reader | None:
+        position_stream, after_seq = position
+        if stream_id is not None and position_stream != stream_id:
+            raise BadEventIdError(
+                f"Last-Event-ID belongs to stream {position_stream}, not {stream_id}"
+            )
+        return await self._open(self._hub.get(position_stream), after_seq)
+
+    async def events(self, scope: Scope, receive: Receive, send: Send, stream_id: str) -> None:
+        """``GET /v1/streams/{id}/events``: replay after Last-Event-ID, then follow live."""
+        try:
+            if not is_stream_id(stream_id):
+                raise BadEventIdError(f"malformed stream id {stream_id[:80]!r}")
+            query = parse_qs(scope["query_string"].decode("latin-1"))
+            position = last_event_id(scope, query)
+            if position is None:
+                reader = await self._open(self._hub.get(stream_id), 0)
+            else:
+                reader = await self._resume(position, stream_id)
+        except SluiceError as exc:
+            await response_for(exc)(scope, receive, send)
+            return
+        await self._deliver(scope, receive, send, reader)
+
+    async def demo_words(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``GET /v1/demo/words?text=...``: start a ``words`` stream and stream it here.
+
+        EventSource reconnects to the URL it first opened, so a request that carries a
+        Last-Event-ID resumes that stream instead of starting another.
+        """
+        try:
+            query = parse_qs(scope["query_string"].decode("latin-1"), keep_blank_values=True)
+            position = last_event_id(scope, query)
+            if position is not None:
+                reader = await self._resume(position, None)
+            else:
+                reader = await self._start_words(query)
+        except SluiceError as exc:
+            await response_for(exc)(scope, receive, send)
+            return
+        await self._deliver(scope, receive, send, reader)
+
+    async def _start_words(self, query: dict[str, list[str]]) -> Reader | None:
+        texts = query.get("text")
+        if not texts:
+            raise BadRequestError("text: required query parameter")
+        text = texts[-1]
+        interval_ms = _number(query, "interval_ms", 50.0)
+        max_tokens_value = _number(query, "max_tokens", None)
+        max_tokens = None if max_tokens_value is None else int(max_tokens_value)
+        if max_tokens_value is not None and max_tokens != max_tokens_value:
+            raise BadRequestError("max_tokens: must be an integer")
+        check_bounds(text, interval_ms, max_tokens, self._settings)
+        stream = await self._hub.create(
+            "words", to_generation_request(text, interval_ms, max_tokens), resumable=True
+        )
+        return await self._hub.open_reader(stream.id, 0)
+
+    async def _deliver(
+        self, scope: Scope, receive: Receive, send: Send, reader: Reader | None
+    ) -> None:
+        if reader is None:
+            # 204 tells EventSource the stream is over: it stops reconnecting.
+            await Response(status_code=204)(scope, receive, send)
+            return
+        await send_event_stream(
+            receive, send, reader, self._options, extra_headers=self._cors_headers(scope)
+        )
+
+
+def _number(query: dict[str, list[str]], name: str, default: float | None) -> float | None:
+    values = query.get(name)
+    if not values or values[-1] == "":
+        return default
+    try:
+        value = float(values[-1])
+    except ValueError:
+        raise BadRequestError(f"{name}: not a number: {values[-1][:40]!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise BadRequestError(f"{name}: must be a finite number")
+    return value

@@ -1,0 +1,19 @@
+"""Streams: the hub, the event log seam and its in-memory implementation."""
+
+from sluice.streams.hub import HubSettings, Stream, StreamHub
+from sluice.streams.log import EventLog, LogLimits, Record
+from sluice.streams.memory import MemoryEventLog
+from sluice.streams.reader import Reader
+from sluice.streams.state import StreamState
+
+__all__ = [
+    "EventLog",
+    "HubSettings",
+    "LogLimits",
+    "MemoryEventLog",
+    "Reader",
+    "Record",
+    "Stream",
+    "StreamHub",
+    "StreamState",
+]

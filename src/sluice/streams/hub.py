@@ -1,0 +1,306 @@
+"""The stream hub: stream lifecycle, producers, readers, grace windows and cancellation.
+
+One producer task per stream pulls deltas from a backend and appends neutral events to the
+stream's log. Readers (one per client connection) replay the log from a position and
+follow it live. Generation is decoupled from connections:
+
+- a reader leaving a **non-resumable** stream that has no other reader cancels it at once;
+- a **resumable** stream waits ``grace_s`` for a reader to come back, then is cancelled;
+- a stream nobody ever reads is cancelled when its first grace window ends;
+- a finished stream stays readable for ``retention_s``, then its log is deleted.
+
+Producer tasks live in the hub's task group (entered by :meth:`StreamHub.running`); grace
+and retention are loop timers, not tasks, so a held idle stream costs no task of its own
+beyond its producer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+
+from sluice.backends.base import Backend, Generation, GenerationRequest
+from sluice.errors import BackendError, BadRequestError, CapacityError, StreamNotFoundError
+from sluice.events import Error, Finished, FinishReason, NeutralEvent, Started, TextDelta
+from sluice.streams.ids import new_stream_id
+from sluice.streams.log import EventLog
+from sluice.streams.reader import Reader
+from sluice.streams.state import TERMINAL_STATES, StreamState, next_state
+
+__all__ = ["HubSettings", "Stream", "StreamHub"]
+
+logger = logging.getLogger("sluice.streams")
+
+# A producer whose backend never suspends (the words backend at zero interval) yields the
+# loop after this many deltas, so readers and other producers get their turn.
+_YIELD_EVERY_DELTAS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class HubSettings:
+    """Limits and windows of the hub."""
+
+    default_grace_s: float = 15.0
+    max_grace_s: float = 3600.0
+    retention_s: float = 300.0
+    max_streams: int = 100_000
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.default_grace_s <= self.max_grace_s:
+            raise ValueError("default_grace_s must be between 0 and max_grace_s")
+        if self.retention_s < 0:
+            raise ValueError("retention_s must not be negative")
+        if self.max_streams < 1:
+            raise ValueError("max_streams must be at least 1")
+
+
+@dataclass(slots=True, eq=False)
+class Stream:
+    """The hub's record of one stream."""
+
+    id: str
+    model: str
+    resumable: bool
+    grace_s: float
+    created: float
+    state: StreamState = StreamState.QUEUED
+    num_readers: int = 0
+    num_events: int = 0
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    cancel_requested: bool = False
+    generation: Generation | None = None
+    task: asyncio.Task[None] | None = None
+    grace_timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    def describe(self) -> dict[str, object]:
+        """A JSON-ready summary for ``GET /v1/streams/{id}``."""
+        return {
+            "id": self.id,
+            "model": self.model,
+            "state": self.state.value,
+            "resumable": self.resumable,
+            "created": int(self.created),
+            "events": self.num_events,
+            "tokens": self.num_tokens,
+            "readers": self.num_readers,
+            "finish_reason": self.finish_reason,
+        }
+
+
+class StreamHub:
+    """Creates streams, runs their producers, and hands out readers."""
+
+    def __init__(
+        self,
+        log: EventLog,
+        backends: Mapping[str, Backend],
+        settings: HubSettings | None = None,
+    ) -> None:
+        self._log = log
+        self._backends = dict(backends)
+        self.settings = settings or HubSettings()
+        self._streams: dict[str, Stream] = {}
+        self._task_group: asyncio.TaskGroup | None = None
+
+    @property
+    def log(self) -> EventLog:
+        return self._log
+
+    @property
+    def backends(self) -> Mapping[str, Backend]:
+        return self._backends
+
+    @property
+    def models(self) -> list[str]:
+        return list(self._backends)
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[StreamHub]:
+        """Own the producers' task group; on exit cancel every live stream and wait."""
+        async with asyncio.TaskGroup() as task_group:
+            self._task_group = task_group
+            try:
+                yield self
+            finally:
+                for stream in list(self._streams.values()):
+                    self.cancel(stream.id)
+                self._task_group = None
+        for stream in list(self._streams.values()):
+            if stream.grace_timer is not None:
+                stream.grace_timer.cancel()
+        self._streams.clear()
+        await self._log.aclose()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def create(
+        self,
+        model: str,
+        request: GenerationRequest,
+        *,
+        resumable: bool = True,
+        grace_s: float | None = None,
+    ) -> Stream:
+        """Start a stream; its producer runs until the end, a cancel, or a failure."""
+        if self._task_group is None:
+            raise RuntimeError("StreamHub.create() outside StreamHub.running()")
+        backend = self._backends.get(model)
+        if backend is None:
+            known = ", ".join(sorted(self._backends))
+            raise BadRequestError(f"unknown model {model!r}; this server serves: {known}")
+        if grace_s is None:
+            grace_s = self.settings.default_grace_s
+        if not 0 <= grace_s <= self.settings.max_grace_s:
+            raise BadRequestError(f"grace_s must be between 0 and {self.settings.max_grace_s}")
+        if len(self._streams) >= self.settings.max_streams:
+            raise CapacityError("too many streams on this server", retry_after_s=1.0)
+        stream = Stream(
+            id=new_stream_id(),
+            model=model,
+            resumable=resumable,
+            grace_s=grace_s,
+            created=time.time(),
+        )
+        await self._log.create(stream.id)
+        self._streams[stream.id] = stream
+        stream.generation = backend.generate(request)
+        # Nobody is reading yet: the first reader has one grace window to arrive.
+        self._arm_grace(stream)
+        stream.task = self._task_group.create_task(self._produce(stream, stream.generation))
+        return stream
+
+    def get(self, stream_id: str) -> Stream:
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            raise StreamNotFoundError(stream_id)
+        return stream
+
+    def cancel(self, stream_id: str) -> Stream:
+        """Cancel a live stream (idempotent); its producer ends it with ``done: cancelled``."""
+        stream = self.get(stream_id)
+        if stream.is_terminal or stream.cancel_requested:
+            return stream
+        stream.cancel_requested = True
+        # A queued producer has not started: it sees the flag on its first step instead (a
+        # task cancelled before it starts would never write its terminal event).
+        if stream.state is not StreamState.QUEUED and stream.task is not None:
+            stream.task.cancel()
+        return stream
+
+    # ------------------------------------------------------------------ readers
+
+    async def open_reader(self, stream_id: str, after_seq: int) -> Reader:
+        """Attach a reader that starts after event ``after_seq``; close it when done."""
+        stream = self.get(stream_id)
+        if stream.grace_timer is not None:
+            stream.grace_timer.cancel()
+            stream.grace_timer = None
+        stream.num_readers += 1
+        return Reader(self._log, stream_id, after_seq, on_close=self._reader_left)
+
+    def _reader_left(self, stream_id: str) -> None:
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            return
+        stream.num_readers -= 1
+        if stream.num_readers > 0 or stream.is_terminal:
+            return
+        if stream.resumable and stream.grace_s > 0:
+            self._arm_grace(stream)
+        else:
+            self.cancel(stream_id)
+
+    def _arm_grace(self, stream: Stream) -> None:
+        if stream.grace_timer is not None:
+            stream.grace_timer.cancel()
+        loop = asyncio.get_running_loop()
+        stream.grace_timer = loop.call_later(stream.grace_s, self._grace_over, stream.id)
+
+    def _grace_over(self, stream_id: str) -> None:
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            return
+        stream.grace_timer = None
+        if stream.num_readers == 0:
+            logger.info("stream %s: no reader within %.1f s, cancelling", stream_id, stream.grace_s)
+            self.cancel(stream_id)
+
+    # ------------------------------------------------------------------ producer
+
+    async def _append(self, stream: Stream, event: NeutralEvent) -> None:
+        await self._log.append(stream.id, (event,))
+        stream.num_events += 1
+
+    async def _produce(self, stream: Stream, generation: Generation) -> None:
+        """Run one generation into the log; always ends with exactly one terminal event."""
+        final: list[NeutralEvent]
+        try:
+            if stream.cancel_requested:
+                raise asyncio.CancelledError
+            stream.state = next_state(stream.id, stream.state, StreamState.RUNNING)
+            await self._append(stream, Started(model=stream.model, created=int(stream.created)))
+            reason = FinishReason.STOP
+            num_deltas = 0
+            async for delta in generation:
+                if delta.text:
+                    await self._append(stream, TextDelta(delta.text))
+                    stream.num_tokens += 1
+                if delta.finish_reason is not None:
+                    reason = delta.finish_reason
+                num_deltas += 1
+                if num_deltas % _YIELD_EVERY_DELTAS == 0:
+                    await asyncio.sleep(0)
+            final = [generation.usage(), Finished(reason)]
+            target = StreamState.FINISHED
+        except asyncio.CancelledError:
+            await generation.abort()
+            if not stream.cancel_requested:
+                raise  # the hub itself is being torn down
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            final = [generation.usage(), Finished(FinishReason.CANCELLED)]
+            target = StreamState.CANCELLED
+        except BackendError as exc:
+            await generation.abort()
+            final = [Error("backend_error", str(exc), exc.retryable)]
+            target = StreamState.FAILED
+        except Exception:
+            logger.exception("stream %s: producer failed", stream.id)
+            await generation.abort()
+            final = [Error("internal_error", "the stream failed inside the server", False)]
+            target = StreamState.FAILED
+        await self._finish(stream, final, target)
+
+    async def _finish(
+        self, stream: Stream, final: list[NeutralEvent], target: StreamState
+    ) -> None:
+        for event in final:
+            await self._append(stream, event)
+        terminal = final[-1]
+        if isinstance(terminal, Finished):
+            stream.finish_reason = terminal.reason.value
+        else:
+            stream.finish_reason = "error"
+        stream.state = next_state(stream.id, stream.state, target)
+        if stream.grace_timer is not None:
+            stream.grace_timer.cancel()
+            stream.grace_timer = None
+        stream.generation = None
+        stream.task = None
+        await self._log.expire(stream.id, self.settings.retention_s)
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.settings.retention_s, self._forget, stream.id)
+
+    def _forget(self, stream_id: str) -> None:
+        self._streams.pop(stream_id, None)

@@ -1,0 +1,80 @@
+"""The event log seam: what the hub needs from a store of stream events.
+
+Implementations: :class:`sluice.streams.memory.MemoryEventLog` (one process) and, later, a
+Redis Streams log (several replicas). The contract tests in ``tests/streams`` run against
+every implementation.
+
+Contract:
+
+- ``create`` opens an empty log; events are numbered 1, 2, 3 ... by ``append``.
+- ``read(after_seq)`` returns the retained records with ``seq > after_seq``, oldest first,
+  at most ``max_records``. Asking for a position older than the oldest retained record
+  raises :class:`~sluice.errors.ResumeGapError`; an unknown stream raises
+  :class:`~sluice.errors.StreamNotFoundError`.
+- ``watch(after_seq, waiter)`` resolves ``waiter`` (a future owned by the caller) as soon as
+  a record with ``seq > after_seq`` exists, at once if one already does, or when the log is
+  deleted. ``unwatch`` forgets it. Waiters are futures, not tasks: a held idle reader costs
+  one future.
+- A log is bounded in records and bytes: the oldest records are dropped first.
+- ``expire(retention_s)`` keeps a finished log readable for ``retention_s`` seconds, then
+  deletes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from sluice.events import NeutralEvent
+
+__all__ = ["EventLog", "LogLimits", "Record"]
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One logged event: its number, the neutral event, and its native SSE frame."""
+
+    seq: int
+    event: NeutralEvent
+    frame: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class LogLimits:
+    """Per-stream bounds of a log."""
+
+    # A long generation is a few thousand tokens; 100k events leave room for coalescing-free
+    # tool-call fragments without letting one stream take unbounded memory.
+    max_records: int = 100_000
+    # About 100 bytes a frame: 16 MiB holds a 100k-event stream with long tokens.
+    max_bytes: int = 16 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.max_records < 1 or self.max_bytes < 1:
+            raise ValueError("log limits must be positive")
+
+
+class EventLog(Protocol):
+    """A store of per-stream event records; see the module docstring for the contract."""
+
+    async def create(self, stream_id: str) -> None: ...
+
+    async def append(self, stream_id: str, events: Sequence[NeutralEvent]) -> int:
+        """Append ``events``; return the seq of the last one."""
+        ...
+
+    async def read(self, stream_id: str, after_seq: int, max_records: int) -> list[Record]: ...
+
+    async def last_seq(self, stream_id: str) -> int: ...
+
+    def watch(self, stream_id: str, after_seq: int, waiter: asyncio.Future[None]) -> None: ...
+
+    def unwatch(self, stream_id: str, waiter: asyncio.Future[None]) -> None: ...
+
+    async def expire(self, stream_id: str, retention_s: float) -> None: ...
+
+    async def delete(self, stream_id: str) -> None: ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,60 @@
+"""A reader: one client's position in one stream's log.
+
+A reader replays the log after its position and then follows it live. It never blocks the
+producer or other readers: it only reads what the log retains. Closing it tells the hub the
+reader left (which may cancel the stream or start its grace window).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from sluice.events import is_terminal
+from sluice.streams.log import EventLog, Record
+
+__all__ = ["Reader"]
+
+
+class Reader:
+    """Reads one stream's records in order, without gap or duplicate."""
+
+    __slots__ = ("_closed", "_log", "_on_close", "after_seq", "done", "stream_id")
+
+    def __init__(
+        self,
+        log: EventLog,
+        stream_id: str,
+        after_seq: int,
+        *,
+        on_close: Callable[[str], None],
+    ) -> None:
+        self._log = log
+        self.stream_id = stream_id
+        self.after_seq = after_seq
+        self.done = False  # the terminal event has been read
+        self._on_close = on_close
+        self._closed = False
+
+    async def read(self, max_records: int) -> list[Record]:
+        """The next records after the reader's position (possibly none); advances it."""
+        records = await self._log.read(self.stream_id, self.after_seq, max_records)
+        if records:
+            last = records[-1]
+            self.after_seq = last.seq
+            if is_terminal(last.event):
+                self.done = True
+        return records
+
+    def watch(self, waiter: asyncio.Future[None]) -> None:
+        """Resolve ``waiter`` when a record after the reader's position exists."""
+        self._log.watch(self.stream_id, self.after_seq, waiter)
+
+    def unwatch(self, waiter: asyncio.Future[None]) -> None:
+        self._log.unwatch(self.stream_id, waiter)
+
+    def close(self) -> None:
+        """Detach from the stream (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._on_close(self.stream_id)

@@ -1,0 +1,1 @@
+"""The browser page served at ``/`` (plain HTML and JavaScript, no build step)."""
