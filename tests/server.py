@@ -1,43 +1,43 @@
-"""A real ``sluice serve`` process on 127.0.0.1 for tests."""
+"""A real ``sluice serve`` process on 127.0.0.1 for tests.
+
+The test binds and listens on the socket itself and hands it to the server (``--fd``), so
+the port is reachable before the server has even started: connections wait in the listen
+backlog until it accepts them, and no test polls for readiness.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Sequence
 
-import httpx
-
-__all__ = ["ServerProcess", "free_port"]
-
-_STARTUP_DEADLINE_S = 20.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+__all__ = ["ServerProcess"]
 
 
 class ServerProcess:
-    """``sluice serve`` with the given options; ``base_url`` once started."""
+    """``sluice serve`` with the given options, on a fresh loopback port."""
 
     def __init__(self, *options: str) -> None:
-        self.port = free_port()
-        self.options: Sequence[str] = options
+        self.options = options
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(1024)
+        self.port: int = self.sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ServerProcess:
+        fd = self.sock.fileno()
         command = [
             sys.executable,
             "-m",
             "sluice.cli",
             "serve",
+            "--fd",
+            str(fd),
             "--port",
             str(self.port),
             "--log-level",
@@ -45,34 +45,29 @@ class ServerProcess:
             *self.options,
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.process = subprocess.Popen(command, env=env)
-        deadline = time.monotonic() + _STARTUP_DEADLINE_S
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"sluice serve exited with {self.process.returncode}")
-            try:
-                if httpx.get(f"{self.base_url}/healthz", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("sluice serve did not become healthy in time")
-            time.sleep(0.05)  # polling the port while the process starts; not synchronisation
+        self.process = subprocess.Popen(command, env=env, pass_fds=(fd,))
+        return self
 
-    def stop(self) -> None:
-        if self.process is None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=5)
-        self.process = None
+    def stop(self) -> int | None:
+        """Stop the server (SIGTERM, then SIGKILL after 10 s); return its exit code."""
+        process, self.process = self.process, None
+        if process is None:
+            return None
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=5)
+        return process.returncode
+
+    def close(self) -> None:
+        self.stop()
+        self.sock.close()
 
     def __enter__(self) -> ServerProcess:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:
-        self.stop()
+        self.close()

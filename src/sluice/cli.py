@@ -32,6 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     serve.add_argument(
+        "--fd",
+        type=int,
+        default=None,
+        help="serve on this inherited, already listening socket instead of --host/--port "
+        "(socket activation; --host/--port then only label the page URL)",
+    )
+    serve.add_argument(
         "--heartbeat-interval",
         type=float,
         default=defaults.heartbeat_interval_s,
@@ -126,6 +133,7 @@ def serve(args: argparse.Namespace) -> int:
         app,
         host=args.host,
         port=args.port,
+        fd=args.fd,
         loop="uvloop",
         http="httptools",
         ws="none",

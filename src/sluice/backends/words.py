@@ -54,12 +54,10 @@ class WordsGeneration:
             limit = min(limit, max_tokens)
         interval_s = self._request.interval_s
         for i in range(limit):
-            if self._aborted:
-                return
             if i and interval_s > 0:
                 await asyncio.sleep(interval_s)
-                if self._aborted:
-                    return
+            if self._aborted:
+                return
             self._num_emitted += 1
             last = i == limit - 1
             reason = None

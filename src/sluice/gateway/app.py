@@ -60,6 +60,7 @@ class SluiceApp:
                 Route("/v1/streams", api.create_stream, methods=["POST"]),
                 Route("/v1/streams/{stream_id}", api.get_stream, methods=["GET"]),
                 Route("/v1/streams/{stream_id}/cancel", api.cancel_stream, methods=["POST"]),
+                Route("/v1/streams/{stream_id}/drop", api.drop_connections, methods=["POST"]),
                 Route("/v1/streams/{stream_id}/events", _method_not_allowed, methods=["GET"]),
                 Route("/v1/demo/words", _method_not_allowed, methods=["GET"]),
             ],

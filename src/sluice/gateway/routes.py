@@ -64,8 +64,18 @@ class NativeApi:
             return response_for(exc)
         return JSONResponse(stream.describe(), status_code=202)
 
+    async def drop_connections(self, request: Request) -> Response:
+        try:
+            stream = self._stream(request)
+            dropped = self._hub.drop_connections(stream.id)
+        except SluiceError as exc:
+            return response_for(exc)
+        return JSONResponse({"id": stream.id, "dropped": dropped})
+
     async def models(self, request: Request) -> Response:
-        data = [{"id": model, "object": "model", "owned_by": "sluice"} for model in self._hub.models]
+        data = [
+            {"id": model, "object": "model", "owned_by": "sluice"} for model in self._hub.models
+        ]
         return JSONResponse({"object": "list", "data": data})
 
     async def page(self, request: Request) -> Response:

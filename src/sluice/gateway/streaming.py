@@ -22,6 +22,9 @@ from sluice.transports.sse import SSEOptions, send_event_stream
 
 __all__ = ["EventStreams"]
 
+# The demo's default pace: slow enough to watch words arrive one by one.
+_DEMO_INTERVAL_MS = 50.0
+
 
 class EventStreams:
     """Serves SSE reads of the hub's streams."""
@@ -102,8 +105,9 @@ class EventStreams:
         if not texts:
             raise BadRequestError("text: required query parameter")
         text = texts[-1]
-        interval_ms = _number(query, "interval_ms", 50.0)
-        max_tokens_value = _number(query, "max_tokens", None)
+        interval_value = _number(query, "interval_ms")
+        interval_ms = _DEMO_INTERVAL_MS if interval_value is None else interval_value
+        max_tokens_value = _number(query, "max_tokens")
         max_tokens = None if max_tokens_value is None else int(max_tokens_value)
         if max_tokens_value is not None and max_tokens != max_tokens_value:
             raise BadRequestError("max_tokens: must be an integer")
@@ -125,10 +129,10 @@ class EventStreams:
         )
 
 
-def _number(query: dict[str, list[str]], name: str, default: float | None) -> float | None:
+def _number(query: dict[str, list[str]], name: str) -> float | None:
     values = query.get(name)
     if not values or values[-1] == "":
-        return default
+        return None
     try:
         value = float(values[-1])
     except ValueError:

@@ -68,7 +68,7 @@ class Stream:
     grace_s: float
     created: float
     state: StreamState = StreamState.QUEUED
-    num_readers: int = 0
+    readers: list[Reader] = field(default_factory=list, repr=False)
     num_events: int = 0
     num_tokens: int = 0
     finish_reason: str | None = None
@@ -91,7 +91,7 @@ class Stream:
             "created": int(self.created),
             "events": self.num_events,
             "tokens": self.num_tokens,
-            "readers": self.num_readers,
+            "readers": len(self.readers),
             "finish_reason": self.finish_reason,
         }
 
@@ -207,20 +207,28 @@ class StreamHub:
         if stream.grace_timer is not None:
             stream.grace_timer.cancel()
             stream.grace_timer = None
-        stream.num_readers += 1
-        return Reader(self._log, stream_id, after_seq, on_close=self._reader_left)
+        reader = Reader(self._log, stream_id, after_seq, on_close=self._reader_left)
+        stream.readers.append(reader)
+        return reader
 
-    def _reader_left(self, stream_id: str) -> None:
-        stream = self._streams.get(stream_id)
+    def drop_connections(self, stream_id: str) -> int:
+        """End every connection reading the stream (they resume); return how many."""
+        stream = self.get(stream_id)
+        for reader in stream.readers:
+            reader.interrupt()
+        return len(stream.readers)
+
+    def _reader_left(self, reader: Reader) -> None:
+        stream = self._streams.get(reader.stream_id)
         if stream is None:
             return
-        stream.num_readers -= 1
-        if stream.num_readers > 0 or stream.is_terminal:
+        stream.readers.remove(reader)
+        if stream.readers or stream.is_terminal:
             return
         if stream.resumable and stream.grace_s > 0:
             self._arm_grace(stream)
         else:
-            self.cancel(stream_id)
+            self.cancel(reader.stream_id)
 
     def _arm_grace(self, stream: Stream) -> None:
         if stream.grace_timer is not None:
@@ -233,7 +241,7 @@ class StreamHub:
         if stream is None:
             return
         stream.grace_timer = None
-        if stream.num_readers == 0:
+        if not stream.readers:
             logger.info("stream %s: no reader within %.1f s, cancelling", stream_id, stream.grace_s)
             self.cancel(stream_id)
 
@@ -282,9 +290,7 @@ class StreamHub:
             target = StreamState.FAILED
         await self._finish(stream, final, target)
 
-    async def _finish(
-        self, stream: Stream, final: list[NeutralEvent], target: StreamState
-    ) -> None:
+    async def _finish(self, stream: Stream, final: list[NeutralEvent], target: StreamState) -> None:
         for event in final:
             await self._append(stream, event)
         terminal = final[-1]

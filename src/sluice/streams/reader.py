@@ -19,7 +19,16 @@ __all__ = ["Reader"]
 class Reader:
     """Reads one stream's records in order, without gap or duplicate."""
 
-    __slots__ = ("_closed", "_log", "_on_close", "after_seq", "done", "stream_id")
+    __slots__ = (
+        "_closed",
+        "_log",
+        "_on_close",
+        "_waiter",
+        "after_seq",
+        "done",
+        "interrupted",
+        "stream_id",
+    )
 
     def __init__(
         self,
@@ -27,12 +36,14 @@ class Reader:
         stream_id: str,
         after_seq: int,
         *,
-        on_close: Callable[[str], None],
+        on_close: Callable[[Reader], None],
     ) -> None:
         self._log = log
         self.stream_id = stream_id
         self.after_seq = after_seq
         self.done = False  # the terminal event has been read
+        self.interrupted = False  # the server asked this connection to drop (clients resume)
+        self._waiter: asyncio.Future[None] | None = None
         self._on_close = on_close
         self._closed = False
 
@@ -48,13 +59,21 @@ class Reader:
 
     def watch(self, waiter: asyncio.Future[None]) -> None:
         """Resolve ``waiter`` when a record after the reader's position exists."""
+        self._waiter = waiter
         self._log.watch(self.stream_id, self.after_seq, waiter)
 
     def unwatch(self, waiter: asyncio.Future[None]) -> None:
+        self._waiter = None
         self._log.unwatch(self.stream_id, waiter)
+
+    def interrupt(self) -> None:
+        """Ask the connection to end now, without the terminal event, so its client resumes."""
+        self.interrupted = True
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def close(self) -> None:
         """Detach from the stream (idempotent)."""
         if not self._closed:
             self._closed = True
-            self._on_close(self.stream_id)
+            self._on_close(self)

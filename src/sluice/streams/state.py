@@ -29,9 +29,7 @@ class StreamState(enum.StrEnum):
 
 
 TRANSITIONS: dict[StreamState, frozenset[StreamState]] = {
-    StreamState.QUEUED: frozenset(
-        {StreamState.RUNNING, StreamState.CANCELLED, StreamState.FAILED}
-    ),
+    StreamState.QUEUED: frozenset({StreamState.RUNNING, StreamState.CANCELLED, StreamState.FAILED}),
     StreamState.RUNNING: frozenset(
         {StreamState.FINISHED, StreamState.CANCELLED, StreamState.FAILED}
     ),

@@ -99,12 +99,16 @@ async def send_event_stream(
         headers = [*SSE_HEADERS, *extra_headers]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send(
-            {"type": "http.response.body", "body": encode_retry(options.retry_ms), "more_body": True}
+            {
+                "type": "http.response.body",
+                "body": encode_retry(options.retry_ms),
+                "more_body": True,
+            }
         )
         last_write = loop.time()
         heartbeat_s = options.heartbeat_interval_s
         max_batch = options.max_batch_records
-        while not disconnect.done():
+        while not disconnect.done() and not reader.interrupted:
             try:
                 records = await reader.read(max_batch)
             except ResumeGapError as exc:
