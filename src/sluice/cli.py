@@ -73,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="streams held at once (live or retained); more are refused with 503",
     )
     serve.add_argument(
+        "--max-log-events",
+        type=int,
+        default=defaults.max_log_records,
+        help="events kept per stream for replay; older ones are dropped (a resume before "
+        "them gets a 'resume_gap' error event)",
+    )
+    serve.add_argument(
         "--max-prompt-chars",
         type=int,
         default=defaults.max_prompt_chars,
@@ -115,6 +122,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         retention_s=args.retention,
         max_streams=args.max_streams,
         max_prompt_chars=args.max_prompt_chars,
+        max_log_records=args.max_log_events,
         cors_allow_origins=tuple(args.cors_origin or ("*",)),
     )
 

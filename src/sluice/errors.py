@@ -13,7 +13,8 @@ errors are translated at the boundary (``raise ... from exc``) into one of these
     │   ├── IllegalTransitionError    a state change the state table forbids
     │   └── ResumeGapError            the asked position is no longer retained
     ├── BadRequestError               client input that fails validation
-    │   └── BadEventIdError           a malformed ``Last-Event-ID`` or stream id
+    │   ├── BadEventIdError           a malformed ``Last-Event-ID`` or stream id
+    │   └── UnknownModelError         a model this server does not serve
     ├── BackendError                  a backend failed while generating
     ├── CapacityError                 no room for another stream; carries ``retry_after_s``
     └── ConfigError                   settings that cannot work
@@ -36,6 +37,7 @@ __all__ = [
     "SluiceError",
     "StreamError",
     "StreamNotFoundError",
+    "UnknownModelError",
 ]
 
 
@@ -108,6 +110,10 @@ class BadRequestError(SluiceError):
 
 class BadEventIdError(BadRequestError):
     """A malformed ``Last-Event-ID`` or stream id."""
+
+
+class UnknownModelError(BadRequestError):
+    """A model this server does not serve."""
 
 
 class BackendError(SluiceError):

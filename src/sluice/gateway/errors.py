@@ -14,6 +14,7 @@ from sluice.errors import (
     CapacityError,
     SluiceError,
     StreamNotFoundError,
+    UnknownModelError,
 )
 
 __all__ = ["PayloadTooLargeError", "error_response", "response_for"]
@@ -42,6 +43,8 @@ def response_for(exc: SluiceError) -> Response:
     """The HTTP answer for an error raised before a response started."""
     if isinstance(exc, StreamNotFoundError):
         return error_response(404, "stream_not_found", str(exc))
+    if isinstance(exc, UnknownModelError):
+        return error_response(404, "model_not_found", str(exc))
     if isinstance(exc, PayloadTooLargeError):
         return error_response(413, "payload_too_large", str(exc))
     if isinstance(exc, BadEventIdError):

@@ -24,7 +24,13 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 from sluice.backends.base import Backend, Generation, GenerationRequest
-from sluice.errors import BackendError, BadRequestError, CapacityError, StreamNotFoundError
+from sluice.errors import (
+    BackendError,
+    BadRequestError,
+    CapacityError,
+    StreamNotFoundError,
+    UnknownModelError,
+)
 from sluice.events import Error, Finished, FinishReason, NeutralEvent, Started, TextDelta
 from sluice.streams.ids import new_stream_id
 from sluice.streams.log import EventLog
@@ -75,7 +81,8 @@ class Stream:
     cancel_requested: bool = False
     generation: Generation | None = None
     task: asyncio.Task[None] | None = None
-    grace_timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+    # The grace window while live; the retention window once terminal.
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
     @property
     def is_terminal(self) -> bool:
@@ -138,8 +145,8 @@ class StreamHub:
                     self.cancel(stream.id)
                 self._task_group = None
         for stream in list(self._streams.values()):
-            if stream.grace_timer is not None:
-                stream.grace_timer.cancel()
+            if stream.timer is not None:
+                stream.timer.cancel()
         self._streams.clear()
         await self._log.aclose()
 
@@ -159,7 +166,7 @@ class StreamHub:
         backend = self._backends.get(model)
         if backend is None:
             known = ", ".join(sorted(self._backends))
-            raise BadRequestError(f"unknown model {model!r}; this server serves: {known}")
+            raise UnknownModelError(f"unknown model {model!r}; this server serves: {known}")
         if grace_s is None:
             grace_s = self.settings.default_grace_s
         if not 0 <= grace_s <= self.settings.max_grace_s:
@@ -204,9 +211,9 @@ class StreamHub:
     async def open_reader(self, stream_id: str, after_seq: int) -> Reader:
         """Attach a reader that starts after event ``after_seq``; close it when done."""
         stream = self.get(stream_id)
-        if stream.grace_timer is not None:
-            stream.grace_timer.cancel()
-            stream.grace_timer = None
+        if stream.timer is not None and not stream.is_terminal:
+            stream.timer.cancel()  # the grace window: a reader is here
+            stream.timer = None
         reader = Reader(self._log, stream_id, after_seq, on_close=self._reader_left)
         stream.readers.append(reader)
         return reader
@@ -231,16 +238,16 @@ class StreamHub:
             self.cancel(reader.stream_id)
 
     def _arm_grace(self, stream: Stream) -> None:
-        if stream.grace_timer is not None:
-            stream.grace_timer.cancel()
+        if stream.timer is not None:
+            stream.timer.cancel()
         loop = asyncio.get_running_loop()
-        stream.grace_timer = loop.call_later(stream.grace_s, self._grace_over, stream.id)
+        stream.timer = loop.call_later(stream.grace_s, self._grace_over, stream.id)
 
     def _grace_over(self, stream_id: str) -> None:
         stream = self._streams.get(stream_id)
         if stream is None:
             return
-        stream.grace_timer = None
+        stream.timer = None
         if not stream.readers:
             logger.info("stream %s: no reader within %.1f s, cancelling", stream_id, stream.grace_s)
             self.cancel(stream_id)
@@ -299,14 +306,16 @@ class StreamHub:
         else:
             stream.finish_reason = "error"
         stream.state = next_state(stream.id, stream.state, target)
-        if stream.grace_timer is not None:
-            stream.grace_timer.cancel()
-            stream.grace_timer = None
+        if stream.timer is not None:
+            stream.timer.cancel()
+            stream.timer = None
         stream.generation = None
         stream.task = None
-        await self._log.expire(stream.id, self.settings.retention_s)
         loop = asyncio.get_running_loop()
-        loop.call_later(self.settings.retention_s, self._forget, stream.id)
+        stream.timer = loop.call_later(self.settings.retention_s, self._forget, stream.id)
 
     def _forget(self, stream_id: str) -> None:
-        self._streams.pop(stream_id, None)
+        """Retention is over: forget the stream, then delete its log."""
+        stream = self._streams.pop(stream_id, None)
+        if stream is not None and self._task_group is not None:
+            self._task_group.create_task(self._log.delete(stream_id))

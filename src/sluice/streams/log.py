@@ -16,8 +16,8 @@ Contract:
   deleted. ``unwatch`` forgets it. Waiters are futures, not tasks: a held idle reader costs
   one future.
 - A log is bounded in records and bytes: the oldest records are dropped first.
-- ``expire(retention_s)`` keeps a finished log readable for ``retention_s`` seconds, then
-  deletes it.
+- Retention is the hub's business: it deletes a finished stream's log when the stream's
+  retention window ends.
 """
 
 from __future__ import annotations
@@ -72,8 +72,6 @@ class EventLog(Protocol):
     def watch(self, stream_id: str, after_seq: int, waiter: asyncio.Future[None]) -> None: ...
 
     def unwatch(self, stream_id: str, waiter: asyncio.Future[None]) -> None: ...
-
-    async def expire(self, stream_id: str, retention_s: float) -> None: ...
 
     async def delete(self, stream_id: str) -> None: ...
 

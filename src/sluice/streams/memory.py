@@ -19,14 +19,13 @@ __all__ = ["MemoryEventLog"]
 
 
 class _Log:
-    __slots__ = ("expiry", "first_seq", "num_bytes", "records", "waiters")
+    __slots__ = ("first_seq", "num_bytes", "records", "waiters")
 
     def __init__(self) -> None:
         self.records: list[Record] = []
         self.first_seq = 1  # seq of records[0] (or of the next record, when empty)
         self.num_bytes = 0
         self.waiters: list[asyncio.Future[None]] = []
-        self.expiry: asyncio.TimerHandle | None = None
 
 
 class MemoryEventLog:
@@ -104,13 +103,6 @@ class MemoryEventLog:
         if log is not None and waiter in log.waiters:
             log.waiters.remove(waiter)
 
-    async def expire(self, stream_id: str, retention_s: float) -> None:
-        log = self._get(stream_id)
-        if log.expiry is not None:
-            log.expiry.cancel()
-        loop = asyncio.get_running_loop()
-        log.expiry = loop.call_later(retention_s, self._drop, stream_id)
-
     async def delete(self, stream_id: str) -> None:
         self._drop(stream_id)
 
@@ -118,8 +110,6 @@ class MemoryEventLog:
         log = self._logs.pop(stream_id, None)
         if log is None:
             return
-        if log.expiry is not None:
-            log.expiry.cancel()
         _wake(log.waiters)
 
     async def aclose(self) -> None:

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Set up everything the tests need, then run the whole suite: lint, types, tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh --test
+echo "== ruff"
+.venv/bin/ruff check src tests bench scripts
+.venv/bin/ruff format --check src tests bench scripts
+echo "== mypy --strict"
+.venv/bin/mypy
+echo "== pytest"
+.venv/bin/pytest "$@"

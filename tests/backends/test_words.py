@@ -1,0 +1,62 @@
+"""The words backend: one token per word, text preserved exactly."""
+
+from __future__ import annotations
+
+import asyncio
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sluice.backends.base import GenerationRequest
+from sluice.backends.words import WordsBackend, split_words
+from sluice.events import FinishReason, Usage
+
+
+@given(st.text())
+def test_tokens_concatenate_to_the_text_exactly(text: str) -> None:
+    tokens = split_words(text)
+    assert "".join(tokens) == text
+    assert all(tokens)
+    assert len(tokens) == max(len(text.split()), 1 if text else 0)
+
+
+def test_each_token_is_a_word_with_the_whitespace_before_it() -> None:
+    assert split_words("  one two\n three ") == ["  one", " two", "\n three "]
+    assert split_words("   ") == ["   "]
+    assert split_words("") == []
+
+
+def collect(prompt: str, **kwargs: float | int | None) -> tuple[list[tuple[str, object]], Usage]:
+    async def run() -> tuple[list[tuple[str, object]], Usage]:
+        generation = WordsBackend().generate(GenerationRequest(prompt, **kwargs))  # type: ignore[arg-type]
+        deltas = [(d.text, d.finish_reason) async for d in generation]
+        return deltas, generation.usage()
+
+    return asyncio.run(run())
+
+
+def test_generation_yields_one_delta_per_word_and_stop_on_the_last() -> None:
+    deltas, usage = collect("a b c")
+    assert deltas == [("a", None), (" b", None), (" c", FinishReason.STOP)]
+    assert usage == Usage(prompt_tokens=3, completion_tokens=3)
+
+
+def test_max_tokens_cuts_with_length() -> None:
+    deltas, usage = collect("a b c", max_tokens=2)
+    assert deltas == [("a", None), (" b", FinishReason.LENGTH)]
+    assert usage == Usage(prompt_tokens=3, completion_tokens=2)
+
+
+def test_abort_stops_emitting() -> None:
+    async def run() -> tuple[list[str], Usage]:
+        generation = WordsBackend().generate(GenerationRequest("a b c d", interval_s=0.001))
+        seen = []
+        async for delta in generation:
+            seen.append(delta.text)
+            if len(seen) == 2:
+                await generation.abort()
+        return seen, generation.usage()
+
+    seen, usage = asyncio.run(run())
+    assert seen == ["a", " b"]
+    assert usage.completion_tokens == 2

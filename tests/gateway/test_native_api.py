@@ -1,0 +1,224 @@
+"""The native JSON API: create, status, cancel, last-reader-leaves, and bad input."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import orjson
+import pytest
+
+from sluice.sse import Decoder, Event
+from tests.rawhttp import open_get
+from tests.server import ServerProcess
+
+
+def create(server: ServerProcess, **body: object) -> dict[str, object]:
+    response = httpx.post(f"{server.base_url}/v1/streams", json=body)
+    assert response.status_code == 201, response.text
+    created: dict[str, object] = response.json()
+    assert response.headers["location"] == f"/v1/streams/{created['id']}"
+    return created
+
+
+def status(server: ServerProcess, stream_id: object) -> dict[str, object]:
+    response = httpx.get(f"{server.base_url}/v1/streams/{stream_id}")
+    assert response.status_code == 200
+    described: dict[str, object] = response.json()
+    return described
+
+
+def wait_for_state(server: ServerProcess, stream_id: object, state: str) -> dict[str, object]:
+    """Poll the stream's status until it reaches ``state`` (bounded)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        described = status(server, stream_id)
+        if described["state"] == state:
+            return described
+        time.sleep(0.02)  # polling an observable condition with a deadline
+    raise AssertionError(f"stream never reached {state!r}: {described}")
+
+
+def test_create_returns_urls_and_status_counts_events(server: ServerProcess) -> None:
+    created = create(server, prompt="one two three", interval_ms=0)
+    assert created["events_url"] == f"/v1/streams/{created['id']}/events"
+    assert created["cancel_url"] == f"/v1/streams/{created['id']}/cancel"
+    assert created["model"] == "words"
+    assert created["resumable"] is True
+    response = httpx.get(f"{server.base_url}{created['events_url']}")
+    assert response.status_code == 200
+    described = status(server, created["id"])
+    assert described["state"] == "finished"
+    assert described["finish_reason"] == "stop"
+    assert described["tokens"] == 3
+    assert described["events"] == 6  # start, 3 tokens, usage, done
+
+
+def test_explicit_cancel_stops_the_producer_and_ends_with_one_done(
+    server: ServerProcess,
+) -> None:
+    created = create(server, prompt="w " * 500, interval_ms=20)
+    response = open_get(server.port, str(created["events_url"]))
+    decoder = Decoder()
+    events: list[Event] = []
+    cancelled = False
+    for piece in response.body():
+        events.extend(decoder.feed(piece))
+        if not cancelled and sum(e.event == "token" for e in events) >= 3:
+            cancel = httpx.post(f"{server.base_url}{created['cancel_url']}")
+            assert cancel.status_code == 202
+            cancelled = True
+    response.close()
+    assert [e.event for e in events].count("done") == 1
+    assert events[-1].event == "done"
+    assert orjson.loads(events[-1].data) == {"reason": "cancelled"}
+    usage = orjson.loads(events[-2].data)
+    num_tokens = sum(e.event == "token" for e in events)
+    assert usage["completion_tokens"] == num_tokens < 500
+    described = status(server, created["id"])
+    assert described["state"] == "cancelled"
+    assert described["tokens"] == num_tokens  # nothing produced after the terminal event
+    again = httpx.post(f"{server.base_url}{created['cancel_url']}")
+    assert again.status_code == 202
+    assert again.json()["state"] == "cancelled"
+
+
+def test_last_reader_leaving_a_non_resumable_stream_cancels_it(server: ServerProcess) -> None:
+    created = create(server, prompt="w " * 500, interval_ms=20, resumable=False)
+    response = open_get(server.port, str(created["events_url"]))
+    decoder = Decoder()
+    seen = 0
+    for piece in response.body():
+        seen += sum(e.event == "token" for e in decoder.feed(piece))
+        if seen >= 3:
+            break
+    response.close()
+    described = wait_for_state(server, created["id"], "cancelled")
+    tokens_then = described["tokens"]
+    assert isinstance(tokens_then, int)
+    assert tokens_then < 500
+    replay = httpx.get(f"{server.base_url}{created['events_url']}")
+    events = Decoder().feed(replay.content)
+    assert events[-1].event == "done"
+    assert orjson.loads(events[-1].data) == {"reason": "cancelled"}
+    assert status(server, created["id"])["tokens"] == tokens_then
+
+
+@pytest.mark.parametrize(
+    ("body", "status_code", "fragment"),
+    [
+        (b"{not json", 400, "malformed JSON"),
+        (b"", 400, "empty"),
+        (b"[1, 2]", 400, "JSON object"),
+        (b'{"interval_ms": 5}', 400, "prompt: Field required"),
+        (b'{"prompt": 5}', 400, "prompt: Input should be a valid string"),
+        (b'{"prompt": "x", "resumable": "yes"}', 400, "resumable"),
+        (b'{"prompt": "x", "interval_ms": -1}', 400, "interval_ms"),
+        (b'{"prompt": "x", "interval_ms": 1e9}', 400, "interval_ms: must be between 0"),
+        (b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
+        (b'{"prompt": "x", "grace_s": -1}', 400, "grace_s"),
+        (b'{"prompt": "x", "colour": "red"}', 400, "colour: Extra inputs are not permitted"),
+        (b'{"prompt": "x", "model": "gpt-9"}', 404, "unknown model 'gpt-9'"),
+        (orjson.dumps({"prompt": "x" * 300_000}), 400, "over the limit of 200000"),
+        (b'{"prompt": "' + b"x" * 2_000_000 + b'"}', 413, "request body over"),
+    ],
+)
+def test_bad_create_requests_get_a_4xx_that_says_what_was_wrong(
+    server: ServerProcess, body: bytes, status_code: int, fragment: str
+) -> None:
+    response = httpx.post(
+        f"{server.base_url}/v1/streams", content=body, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == status_code
+    error = response.json()["error"]
+    assert fragment in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+UNKNOWN = "str_" + "A" * 22
+
+
+@pytest.mark.parametrize(
+    ("method", "target", "headers", "status_code", "code"),
+    [
+        ("GET", f"/v1/streams/{UNKNOWN}", {}, 404, "stream_not_found"),
+        ("GET", f"/v1/streams/{UNKNOWN}/events", {}, 404, "stream_not_found"),
+        ("POST", f"/v1/streams/{UNKNOWN}/cancel", {}, 404, "stream_not_found"),
+        ("GET", "/v1/streams/not-an-id/events", {}, 400, "bad_event_id"),
+        ("GET", "/v1/streams/not-an-id", {}, 400, "bad_event_id"),
+        ("POST", "/v1/streams/x/cancel", {}, 400, "bad_event_id"),
+        (
+            "GET",
+            f"/v1/streams/{UNKNOWN}/events",
+            {"Last-Event-ID": "garbage"},
+            400,
+            "bad_event_id",
+        ),
+        ("GET", "/v1/demo/words", {}, 400, "invalid_request"),
+        ("GET", "/v1/demo/words?text=a&interval_ms=abc", {}, 400, "invalid_request"),
+        ("GET", "/v1/demo/words?text=a&interval_ms=-5", {}, 400, "invalid_request"),
+        ("GET", "/v1/demo/words?text=a&interval_ms=nan", {}, 400, "invalid_request"),
+        ("GET", "/v1/demo/words?text=a&max_tokens=1.5", {}, 400, "invalid_request"),
+        ("GET", "/v1/demo/words?text=a", {"Last-Event-ID": "str_x:1"}, 400, "bad_event_id"),
+        (
+            "GET",
+            "/v1/demo/words?text=a",
+            {"Last-Event-ID": f"{UNKNOWN}:3"},
+            404,
+            "stream_not_found",
+        ),
+        ("GET", "/nowhere", {}, 404, "not_found"),
+        ("DELETE", "/v1/streams", {}, 405, "method_not_allowed"),
+    ],
+)
+def test_bad_reads_get_a_clear_json_error(
+    server: ServerProcess,
+    method: str,
+    target: str,
+    headers: dict[str, str],
+    status_code: int,
+    code: str,
+) -> None:
+    response = httpx.request(method, server.base_url + target, headers=headers)
+    assert response.status_code == status_code
+    assert response.headers["content-type"] == "application/json"
+    assert response.json()["error"]["code"] == code
+
+
+def test_last_event_id_must_name_the_stream_in_the_path_and_not_run_ahead(
+    server: ServerProcess,
+) -> None:
+    first = create(server, prompt="a b", interval_ms=0)
+    second = create(server, prompt="a b", interval_ms=0)
+    response = httpx.get(
+        f"{server.base_url}{first['events_url']}", headers={"Last-Event-ID": f"{second['id']}:1"}
+    )
+    assert response.status_code == 400
+    assert "belongs to stream" in response.json()["error"]["message"]
+    ahead = httpx.get(f"{server.base_url}{first['events_url']}?last_event_id={first['id']}:99")
+    assert ahead.status_code == 400
+
+
+def test_cors_preflight_allows_last_event_id(server: ServerProcess) -> None:
+    response = httpx.options(
+        f"{server.base_url}/v1/streams",
+        headers={
+            "Origin": "http://example.test",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "last-event-id, content-type",
+        },
+    )
+    assert response.status_code == 200
+    allowed = response.headers["access-control-allow-headers"].lower()
+    assert "last-event-id" in allowed
+    assert "content-type" in allowed
+
+
+def test_models_health_and_page(server: ServerProcess) -> None:
+    models = httpx.get(f"{server.base_url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["words"]
+    assert httpx.get(f"{server.base_url}/healthz").json() == {"status": "ok"}
+    assert httpx.get(f"{server.base_url}/readyz").status_code == 200
+    page = httpx.get(f"{server.base_url}/")
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")

@@ -1,0 +1,177 @@
+"""The browser page at ``/`` in real headless Chromium, against a real server.
+
+Each test drives the page as a user would (type, press buttons) and waits on the DOM,
+never on the clock: the page mirrors its state in ``document.body.dataset.state`` and
+exposes ``window.sluiceArrivals`` (when each token arrived), ``window.sluiceDuplicates``
+(tokens the server sent twice) and ``window.sluiceLastDrop`` (the drop endpoint's answer).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from playwright.sync_api import Browser, Page, sync_playwright
+
+from tests.server import ServerProcess
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+
+# Deadline for any single wait on the page, in milliseconds.
+WAIT_MS = 15_000
+
+# 20 words, with a double space, a newline and a tab that must come back exactly.
+SHORT_TEXT = (
+    "Tokens should  arrive one by one,\nas the model produces them,\t"
+    "and the page must show them exactly as sent."
+)
+LONG_TEXT = " ".join(f"word{i:02d}" for i in range(60)) + "\nThe end."
+
+
+def _words(text: str) -> int:
+    return len(text.split())
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS
+        )
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser: Browser, server: ServerProcess) -> Iterator[Page]:
+    context = browser.new_context(base_url=server.base_url)
+    context.set_default_timeout(WAIT_MS)
+    page = context.new_page()
+    page.goto("/")
+    yield page
+    context.close()
+
+
+def _start(page: Page, text: str, interval_ms: int) -> None:
+    page.fill("#prompt", text)
+    page.fill("#interval", str(interval_ms))
+    page.click("#start")
+
+
+def _text(page: Page, selector: str) -> str:
+    return str(page.eval_on_selector(selector, "e => e.textContent"))
+
+
+def _wait_state(page: Page, state: str) -> None:
+    page.wait_for_function("s => document.body.dataset.state === s", arg=state)
+
+
+def _wait_tokens(page: Page, at_least: int) -> None:
+    page.wait_for_function(
+        "n => document.body.dataset.state === 'streaming'"
+        " && Number(document.getElementById('tokens').textContent) >= n",
+        arg=at_least,
+    )
+
+
+def test_page_streams_words_one_by_one_and_ends_with_the_exact_text(page: Page) -> None:
+    assert page.title() == "Sluice"
+    _start(page, SHORT_TEXT, 50)
+
+    _wait_tokens(page, 3)
+    partial = _text(page, "#output")
+    assert partial
+    assert SHORT_TEXT.startswith(partial)
+    assert partial != SHORT_TEXT
+
+    _wait_state(page, "done:stop")
+    assert _text(page, "#state") == "done:stop"
+    assert _text(page, "#output") == SHORT_TEXT
+    assert _text(page, "#tokens") == str(_words(SHORT_TEXT))
+    assert _text(page, "#reconnects") == "0"
+    assert re.fullmatch(r"str_\w+", _text(page, "#stream-id"))
+    ttft = re.fullmatch(r"(\d+) ms", _text(page, "#ttft"))
+    total = re.fullmatch(r"(\d+) ms", _text(page, "#total"))
+    assert ttft
+    assert total
+    assert int(ttft[1]) <= int(total[1])
+    assert page.evaluate("window.sluiceDuplicates") == 0
+    arrivals = page.evaluate("window.sluiceArrivals")
+    assert len(arrivals) == _words(SHORT_TEXT)
+    # 19 gaps of 50 ms: the words were delivered as they were produced, not in one burst.
+    assert arrivals[-1] - arrivals[0] >= 500
+    assert len({round(t / 20) for t in arrivals}) >= 10
+
+
+def _drop_and_wait_for_reconnect(page: Page, reconnects: int) -> None:
+    page.evaluate("window.sluiceLastDrop = null")
+    page.click("#drop")
+    page.wait_for_function("window.sluiceLastDrop !== null")
+    assert page.evaluate("window.sluiceLastDrop.dropped") >= 1
+    page.wait_for_function(
+        "n => Number(document.getElementById('reconnects').textContent) >= n", arg=reconnects
+    )
+
+
+def test_page_resumes_after_server_drops_connection_twice_without_gap_or_duplicate(
+    page: Page, server: ServerProcess
+) -> None:
+    num_words = _words(LONG_TEXT)
+    _start(page, LONG_TEXT, 40)
+
+    _wait_tokens(page, 10)
+    _drop_and_wait_for_reconnect(page, 1)
+    _wait_tokens(page, 35)
+    _drop_and_wait_for_reconnect(page, 2)
+
+    _wait_state(page, "done:stop")
+    assert _text(page, "#output") == LONG_TEXT
+    assert _text(page, "#tokens") == str(num_words)
+    assert _text(page, "#reconnects") == "2"
+    assert page.evaluate("window.sluiceDuplicates") == 0
+    assert len(page.evaluate("window.sluiceArrivals")) == num_words
+
+    stream_id = _text(page, "#stream-id")
+    status = httpx.get(f"{server.base_url}/v1/streams/{stream_id}", timeout=5).json()
+    assert status["state"] == "finished"
+    assert status["tokens"] == num_words
+
+
+def test_page_stop_cancels_the_stream_midway(page: Page, server: ServerProcess) -> None:
+    num_words = _words(LONG_TEXT)
+    _start(page, LONG_TEXT, 50)
+
+    _wait_tokens(page, 5)
+    page.click("#stop")
+    _wait_state(page, "done:cancelled")
+
+    output = _text(page, "#output")
+    assert output
+    assert LONG_TEXT.startswith(output)
+    assert output != LONG_TEXT
+    shown_tokens = int(_text(page, "#tokens"))
+    assert 5 <= shown_tokens < num_words
+    assert page.evaluate("window.sluiceDuplicates") == 0
+
+    url = f"{server.base_url}/v1/streams/{_text(page, '#stream-id')}"
+    first = httpx.get(url, timeout=5).json()
+    assert first["state"] == "cancelled"
+    assert first["finish_reason"] == "cancelled"
+    # Every token the server produced reached the page before ``done``; none came after.
+    assert first["tokens"] == shown_tokens
+    second = httpx.get(url, timeout=5).json()
+    assert second["tokens"] == first["tokens"]
+    assert second["events"] == first["events"]
+
+
+def test_page_shows_a_refused_request_as_a_connection_error(page: Page) -> None:
+    _start(page, SHORT_TEXT, -1)
+    _wait_state(page, "error:connection")
+    assert _text(page, "#output") == ""
+    assert page.is_enabled("#start")
+    assert page.is_disabled("#stop")
