@@ -4,8 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --test
 echo "== ruff"
-.venv/bin/ruff check src tests bench scripts
-.venv/bin/ruff format --check src tests bench scripts
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 echo "== mypy --strict"
 .venv/bin/mypy
 echo "== pytest"
