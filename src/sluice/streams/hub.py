@@ -277,20 +277,26 @@ class StreamHub:
                 num_deltas += 1
                 if num_deltas % _YIELD_EVERY_DELTAS == 0:
                     await asyncio.sleep(0)
+            stream.task = None  # finishing by itself now: a cancel from here on is too late
             final = [generation.usage(), Finished(reason)]
             target = StreamState.FINISHED
         except asyncio.CancelledError:
+            stream.task = None
             await generation.abort()
             if not stream.cancel_requested:
                 raise  # the hub itself is being torn down
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # the cancel was ours, for this stream: it ends here
             final = [generation.usage(), Finished(FinishReason.CANCELLED)]
             target = StreamState.CANCELLED
         except BackendError as exc:
+            stream.task = None
             await generation.abort()
             final = [Error("backend_error", str(exc), exc.retryable)]
             target = StreamState.FAILED
         except Exception:
+            stream.task = None
             logger.exception("stream %s: producer failed", stream.id)
             await generation.abort()
             final = [Error("internal_error", "the stream failed inside the server", False)]
@@ -310,7 +316,6 @@ class StreamHub:
             stream.timer.cancel()
             stream.timer = None
         stream.generation = None
-        stream.task = None
         loop = asyncio.get_running_loop()
         stream.timer = loop.call_later(self.settings.retention_s, self._forget, stream.id)
 
