@@ -40,9 +40,9 @@ async def read_until_done(reader: Reader, timeout_s: float = 10.0) -> list[Neutr
     loop = asyncio.get_running_loop()
     async with asyncio.timeout(timeout_s):
         while not reader.done:
-            records = await reader.read(100)
-            events.extend(record.event for record in records)
-            if not records:
+            batch = await reader.read(100)
+            events.extend(batch.events)
+            if not batch.events:
                 waiter: asyncio.Future[None] = loop.create_future()
                 reader.watch(waiter)
                 try:
@@ -84,7 +84,7 @@ async def test_explicit_cancel_stops_the_producer_with_one_terminal_event() -> N
         reader = await hub.open_reader(stream.id, 0)
         seen: list[NeutralEvent] = []
         while len(seen) < 4:  # start + 3 tokens
-            seen.extend(r.event for r in await reader.read(100))
+            seen.extend((await reader.read(100)).events)
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             reader.watch(waiter)
             await waiter
@@ -156,10 +156,11 @@ async def terminal_without_reading(hub: StreamHub, stream_id: str) -> NeutralEve
     loop = asyncio.get_running_loop()
     async with asyncio.timeout(10):
         while True:
-            for record in await hub.log.read(stream_id, after, 100):
-                after = record.seq
-                if isinstance(record.event, Finished):
-                    return record.event
+            batch = await hub.log.read(stream_id, after, 100)
+            after = batch.last_seq
+            for event in batch.events:
+                if isinstance(event, Finished):
+                    return event
             waiter: asyncio.Future[None] = loop.create_future()
             hub.log.watch(stream_id, after, waiter)
             await waiter

@@ -26,12 +26,15 @@ async def test_append_numbers_events_from_one_and_read_replays_after_a_position(
     last = await log.append(SID, [TextDelta("a"), TextDelta("b")])
     assert last == 2
     assert await log.append(SID, [TextDelta("c")]) == 3
-    records = await log.read(SID, 0, 10)
-    assert [r.seq for r in records] == [1, 2, 3]
-    assert [r.event for r in records] == [TextDelta("a"), TextDelta("b"), TextDelta("c")]
-    assert [r.seq for r in await log.read(SID, 1, 10)] == [2, 3]
-    assert await log.read(SID, 3, 10) == []
-    assert [r.seq for r in await log.read(SID, 0, 2)] == [1, 2]
+    batch = await log.read(SID, 0, 10)
+    assert (batch.first_seq, batch.last_seq) == (1, 3)
+    assert list(batch.events) == [TextDelta("a"), TextDelta("b"), TextDelta("c")]
+    assert len(batch.frames) == 3
+    later = await log.read(SID, 1, 10)
+    assert (later.first_seq, list(later.events)) == (2, [TextDelta("b"), TextDelta("c")])
+    empty = await log.read(SID, 3, 10)
+    assert (len(empty), empty.first_seq, empty.last_seq) == (0, 4, 3)
+    assert list((await log.read(SID, 0, 2)).events) == [TextDelta("a"), TextDelta("b")]
 
 
 async def test_frames_are_native_sse_with_stream_scoped_ids(make_log: LogFactory) -> None:
@@ -39,7 +42,7 @@ async def test_frames_are_native_sse_with_stream_scoped_ids(make_log: LogFactory
     await log.create(SID)
     await log.append(SID, [TextDelta("hi\nthere"), Finished(FinishReason.STOP)])
     decoder = Decoder()
-    events = decoder.feed(b"".join(r.frame for r in await log.read(SID, 0, 10)))
+    events = decoder.feed(b"".join((await log.read(SID, 0, 10)).frames))
     assert events == [
         Event(data='{"text":"hi\\nthere"}', event="token", id=f"{SID}:1"),
         Event(data='{"reason":"stop"}', event="done", id=f"{SID}:2"),
@@ -59,14 +62,15 @@ async def test_bounded_log_drops_oldest_and_reports_a_resume_gap(make_log: LogFa
     await log.create(SID)
     for i in range(25):
         await log.append(SID, [TextDelta(str(i))])
-    records = await log.read(SID, await log.last_seq(SID) - 5, 100)
-    assert [r.event for r in records] == [TextDelta(str(i)) for i in range(20, 25)]
+    batch = await log.read(SID, await log.last_seq(SID) - 5, 100)
+    assert list(batch.events) == [TextDelta(str(i)) for i in range(20, 25)]
     with pytest.raises(ResumeGapError) as gap:
         await log.read(SID, 0, 100)
     assert gap.value.first_retained_seq > 1
     retained = await log.read(SID, gap.value.first_retained_seq - 1, 100)
-    assert len(retained) <= 10
-    assert retained[-1].seq == 25
+    assert 0 < len(retained) <= 10
+    assert retained.last_seq == 25
+    assert len(retained.frames) == len(retained.events)
 
 
 async def test_byte_bound_keeps_at_least_the_newest_record(make_log: LogFactory) -> None:
@@ -74,8 +78,8 @@ async def test_byte_bound_keeps_at_least_the_newest_record(make_log: LogFactory)
     await log.create(SID)
     for _ in range(5):
         await log.append(SID, [TextDelta("x" * 150)])
-    records = await log.read(SID, 4, 10)
-    assert [r.seq for r in records] == [5]
+    batch = await log.read(SID, 4, 10)
+    assert (batch.first_seq, len(batch)) == (5, 1)
 
 
 async def test_watch_resolves_on_append_and_at_once_when_behind(make_log: LogFactory) -> None:

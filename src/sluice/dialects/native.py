@@ -17,6 +17,9 @@ appended to the log, and written as is to every reader.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import orjson
 
 from sluice.events import (
@@ -33,29 +36,59 @@ from sluice.sse import encode_event
 __all__ = ["error_frame", "frame", "render"]
 
 
+def _token(event: TextDelta) -> tuple[str, str]:
+    return "token", orjson.dumps({"text": event.text}).decode()
+
+
+def _start(event: Started) -> tuple[str, str]:
+    return "start", orjson.dumps({"model": event.model, "created": event.created}).decode()
+
+
+def _tool_call(event: ToolCallDelta) -> tuple[str, str]:
+    payload = {
+        "index": event.index,
+        "id": event.id,
+        "name": event.name,
+        "arguments": event.arguments_delta,
+    }
+    return "tool_call", orjson.dumps(payload).decode()
+
+
+def _usage(event: Usage) -> tuple[str, str]:
+    payload = {
+        "prompt_tokens": event.prompt_tokens,
+        "completion_tokens": event.completion_tokens,
+        "cached_tokens": event.cached_tokens,
+    }
+    return "usage", orjson.dumps(payload).decode()
+
+
+def _done(event: Finished) -> tuple[str, str]:
+    return "done", orjson.dumps({"reason": event.reason.value}).decode()
+
+
+def _error(event: Error) -> tuple[str, str]:
+    payload = {"code": event.type, "message": event.message, "retryable": event.retryable}
+    return "error", orjson.dumps(payload).decode()
+
+
+# Dispatch on the exact type: one dict lookup per event on the hot path.
+_RENDERERS: dict[type, Callable[[Any], tuple[str, str]]] = {
+    TextDelta: _token,
+    Started: _start,
+    ToolCallDelta: _tool_call,
+    Usage: _usage,
+    Finished: _done,
+    Error: _error,
+}
+
+
 def render(event: NeutralEvent) -> tuple[str, str]:
     """The SSE event name and JSON data of ``event``."""
-    match event:
-        case TextDelta(text=text):
-            return "token", orjson.dumps({"text": text}).decode()
-        case Started(model=model, created=created):
-            return "start", orjson.dumps({"model": model, "created": created}).decode()
-        case ToolCallDelta(index=index, arguments_delta=arguments, id=call_id, name=name):
-            payload = {"index": index, "id": call_id, "name": name, "arguments": arguments}
-            return "tool_call", orjson.dumps(payload).decode()
-        case Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached):
-            payload = {
-                "prompt_tokens": prompt,
-                "completion_tokens": completion,
-                "cached_tokens": cached,
-            }
-            return "usage", orjson.dumps(payload).decode()
-        case Finished(reason=reason):
-            return "done", orjson.dumps({"reason": reason.value}).decode()
-        case Error(type=code, message=message, retryable=retryable):
-            payload = {"code": code, "message": message, "retryable": retryable}
-            return "error", orjson.dumps(payload).decode()
-    raise TypeError(f"not a neutral event: {event!r}")  # pragma: no cover - exhaustive above
+    renderer = _RENDERERS.get(type(event))
+    if renderer is None:
+        raise TypeError(f"not a neutral event: {event!r}")
+    return renderer(event)
 
 
 def frame(event: NeutralEvent, event_id: str) -> bytes:

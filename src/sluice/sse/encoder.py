@@ -44,20 +44,16 @@ def _encode(frame: str, what: str) -> bytes:
         raise SSEEncodeError(f"SSE {what} is not encodable as UTF-8: {exc.reason}") from exc
 
 
-def _header_lines(event: str | None, id: str | None) -> str:
-    """The ``id:`` and ``event:`` lines that precede the data, validated."""
-    lines = ""
-    if id is not None:
-        # §9.2.6: CR or LF would end the line early; a NUL makes the client ignore the field.
-        if "\r" in id or "\n" in id or "\0" in id:
-            raise SSEEncodeError(f"SSE id may not contain CR, LF or NUL: {id!r}")
-        lines += f"id: {id}\n"
-    if event is not None:
-        # §9.2.5: CR or LF would end the line and turn the rest into another field.
-        if "\r" in event or "\n" in event:
-            raise SSEEncodeError(f"SSE event type may not contain CR or LF: {event!r}")
-        lines += f"event: {event}\n"
-    return lines
+def _check_id(id: str) -> None:
+    # §9.2.6: CR or LF would end the line early; a NUL makes the client ignore the field.
+    if "\r" in id or "\n" in id or "\0" in id:
+        raise SSEEncodeError(f"SSE id may not contain CR, LF or NUL: {id!r}")
+
+
+def _check_event(event: str) -> None:
+    # §9.2.5: CR or LF would end the line and turn the rest into another field.
+    if "\r" in event or "\n" in event:
+        raise SSEEncodeError(f"SSE event type may not contain CR or LF: {event!r}")
 
 
 def encode_event(data: str, *, event: str | None = None, id: str | None = None) -> bytes:
@@ -70,14 +66,26 @@ def encode_event(data: str, *, event: str | None = None, id: str | None = None) 
     Raises :class:`~sluice.errors.SSEEncodeError` for an ``id`` containing CR, LF or NUL,
     an ``event`` containing CR or LF, or text that is not encodable as UTF-8.
     """
-    # Hot path: called once per generated token, which almost never holds a line end.
+    # Hot path: called once per generated token, which almost never holds a line end, and
+    # nearly always with both an id and an event name: one f-string, one encode.
     if "\n" in data or "\r" in data:
-        body = "data: " + _normalise_line_ends(data).replace("\n", "\ndata: ") + "\n\n"
+        data = _normalise_line_ends(data).replace("\n", "\ndata: ")
+    if id is not None:
+        _check_id(id)
+        if event is not None:
+            _check_event(event)
+            frame = f"id: {id}\nevent: {event}\ndata: {data}\n\n"
+        else:
+            frame = f"id: {id}\ndata: {data}\n\n"
+    elif event is not None:
+        _check_event(event)
+        frame = f"event: {event}\ndata: {data}\n\n"
     else:
-        body = f"data: {data}\n\n"
-    if event is not None or id is not None:
-        body = _header_lines(event, id) + body
-    return _encode(body, "event")
+        frame = f"data: {data}\n\n"
+    try:
+        return frame.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise SSEEncodeError(f"SSE event is not encodable as UTF-8: {exc.reason}") from exc
 
 
 def encode_comment(text: str = "") -> bytes:

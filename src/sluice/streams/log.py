@@ -7,8 +7,9 @@ every implementation.
 Contract:
 
 - ``create`` opens an empty log; events are numbered 1, 2, 3 ... by ``append``.
-- ``read(after_seq)`` returns the retained records with ``seq > after_seq``, oldest first,
-  at most ``max_records``. Asking for a position older than the oldest retained record
+- ``read(after_seq)`` returns a :class:`Batch` of the retained records with
+  ``seq > after_seq``, oldest first, at most ``max_records`` (an empty batch when there
+  are none yet). Asking for a position older than the oldest retained record
   raises :class:`~sluice.errors.ResumeGapError`; an unknown stream raises
   :class:`~sluice.errors.StreamNotFoundError`.
 - ``watch(after_seq, waiter)`` resolves ``waiter`` (a future owned by the caller) as soon as
@@ -29,16 +30,28 @@ from typing import Protocol
 
 from sluice.events import NeutralEvent
 
-__all__ = ["EventLog", "LogLimits", "Record"]
+__all__ = ["Batch", "EventLog", "LogLimits"]
 
 
 @dataclass(frozen=True, slots=True)
-class Record:
-    """One logged event: its number, the neutral event, and its native SSE frame."""
+class Batch:
+    """Consecutive records of one stream: event ``first_seq + i`` is ``events[i]``.
 
-    seq: int
-    event: NeutralEvent
-    frame: bytes
+    ``frames[i]`` is the native SSE frame of ``events[i]``, encoded once when it was
+    appended. A batch is read in one go, so its cost is paid per read, not per event.
+    """
+
+    first_seq: int
+    events: Sequence[NeutralEvent]
+    frames: Sequence[bytes]
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    @property
+    def last_seq(self) -> int:
+        """The seq of the last event (``first_seq - 1`` for an empty batch)."""
+        return self.first_seq + len(self.events) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +78,7 @@ class EventLog(Protocol):
         """Append ``events``; return the seq of the last one."""
         ...
 
-    async def read(self, stream_id: str, after_seq: int, max_records: int) -> list[Record]: ...
+    async def read(self, stream_id: str, after_seq: int, max_records: int) -> Batch: ...
 
     async def last_seq(self, stream_id: str) -> int: ...
 

@@ -1,6 +1,7 @@
-"""In-process event log: the default store, one Python list per stream.
+"""In-process event log: the default store, two Python lists per stream.
 
-Frames are encoded once, at append, in the native dialect; readers join them as they are.
+Each stream keeps its neutral events and their native SSE frames side by side (no object
+per record); frames are encoded once, at append, and readers join them as they are.
 Waiters are futures kept in a per-stream list and resolved by the next append.
 """
 
@@ -13,17 +14,18 @@ from sluice.dialects import native
 from sluice.errors import ResumeGapError, StreamNotFoundError
 from sluice.events import NeutralEvent
 from sluice.streams.ids import event_id
-from sluice.streams.log import LogLimits, Record
+from sluice.streams.log import Batch, LogLimits
 
 __all__ = ["MemoryEventLog"]
 
 
 class _Log:
-    __slots__ = ("first_seq", "num_bytes", "records", "waiters")
+    __slots__ = ("events", "first_seq", "frames", "num_bytes", "waiters")
 
     def __init__(self) -> None:
-        self.records: list[Record] = []
-        self.first_seq = 1  # seq of records[0] (or of the next record, when empty)
+        self.events: list[NeutralEvent] = []
+        self.frames: list[bytes] = []
+        self.first_seq = 1  # seq of events[0] (or of the next event, when empty)
         self.num_bytes = 0
         self.waiters: list[asyncio.Future[None]] = []
 
@@ -50,15 +52,21 @@ class MemoryEventLog:
         self._logs[stream_id] = _Log()
 
     async def append(self, stream_id: str, events: Sequence[NeutralEvent]) -> int:
-        log = self._get(stream_id)
-        records = log.records
-        seq = log.first_seq + len(records)
+        log = self._logs.get(stream_id)
+        if log is None:
+            raise StreamNotFoundError(stream_id)
+        frames = log.frames
+        seq = log.first_seq + len(frames)
+        num_bytes = log.num_bytes
+        frame_of = native.frame
         for event in events:
-            data = native.frame(event, event_id(stream_id, seq))
-            records.append(Record(seq, event, data))
-            log.num_bytes += len(data)
+            frame = frame_of(event, event_id(stream_id, seq))
+            frames.append(frame)
+            num_bytes += len(frame)
             seq += 1
-        if len(records) > self._limits.max_records or log.num_bytes > self._limits.max_bytes:
+        log.num_bytes = num_bytes
+        log.events.extend(events)
+        if len(frames) > self._limits.max_records or log.num_bytes > self._limits.max_bytes:
             self._trim(log)
         if log.waiters:
             _wake(log.waiters)
@@ -67,32 +75,34 @@ class MemoryEventLog:
     def _trim(self, log: _Log) -> None:
         # Drop at least a tenth of the bound at once so trimming is amortised O(1) per append.
         limits = self._limits
-        records = log.records
+        frames = log.frames
         keep_records = limits.max_records - limits.max_records // 10
         keep_bytes = limits.max_bytes - limits.max_bytes // 10
-        drop = max(0, len(records) - keep_records)
-        num_bytes = log.num_bytes - sum(len(r.frame) for r in records[:drop])
-        while drop < len(records) - 1 and num_bytes > keep_bytes:
-            num_bytes -= len(records[drop].frame)
+        drop = max(0, len(frames) - keep_records)
+        num_bytes = log.num_bytes - sum(map(len, frames[:drop]))
+        while drop < len(frames) - 1 and num_bytes > keep_bytes:
+            num_bytes -= len(frames[drop])
             drop += 1
-        del records[:drop]
+        del frames[:drop]
+        del log.events[:drop]
         log.first_seq += drop
         log.num_bytes = num_bytes
 
-    async def read(self, stream_id: str, after_seq: int, max_records: int) -> list[Record]:
+    async def read(self, stream_id: str, after_seq: int, max_records: int) -> Batch:
         log = self._get(stream_id)
         start = after_seq + 1 - log.first_seq
         if start < 0:
             raise ResumeGapError(stream_id, after_seq, log.first_seq)
-        return log.records[start : start + max_records]
+        end = start + max_records
+        return Batch(after_seq + 1, log.events[start:end], log.frames[start:end])
 
     async def last_seq(self, stream_id: str) -> int:
         log = self._get(stream_id)
-        return log.first_seq + len(log.records) - 1
+        return log.first_seq + len(log.frames) - 1
 
     def watch(self, stream_id: str, after_seq: int, waiter: asyncio.Future[None]) -> None:
         log = self._logs.get(stream_id)
-        if log is None or log.first_seq + len(log.records) - 1 > after_seq:
+        if log is None or log.first_seq + len(log.frames) - 1 > after_seq:
             if not waiter.done():
                 waiter.set_result(None)
             return

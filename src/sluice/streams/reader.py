@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Callable
 
 from sluice.events import is_terminal
-from sluice.streams.log import EventLog, Record
+from sluice.streams.log import Batch, EventLog
 
 __all__ = ["Reader"]
 
@@ -47,15 +47,14 @@ class Reader:
         self._on_close = on_close
         self._closed = False
 
-    async def read(self, max_records: int) -> list[Record]:
+    async def read(self, max_records: int) -> Batch:
         """The next records after the reader's position (possibly none); advances it."""
-        records = await self._log.read(self.stream_id, self.after_seq, max_records)
-        if records:
-            last = records[-1]
-            self.after_seq = last.seq
-            if is_terminal(last.event):
+        batch = await self._log.read(self.stream_id, self.after_seq, max_records)
+        if batch.events:
+            self.after_seq = batch.last_seq
+            if is_terminal(batch.events[-1]):
                 self.done = True
-        return records
+        return batch
 
     def watch(self, waiter: asyncio.Future[None]) -> None:
         """Resolve ``waiter`` when a record after the reader's position exists."""

@@ -110,18 +110,16 @@ async def send_event_stream(
         max_batch = options.max_batch_records
         while not disconnect.done() and not reader.interrupted:
             try:
-                records = await reader.read(max_batch)
+                batch = await reader.read(max_batch)
             except ResumeGapError as exc:
                 body = native.error_frame("resume_gap", str(exc))
                 await send({"type": "http.response.body", "body": body, "more_body": True})
                 break
             except StreamNotFoundError:
                 break  # expired under us: nothing more will come
-            if records:
-                if len(records) == 1:
-                    body = records[0].frame
-                else:
-                    body = b"".join([record.frame for record in records])
+            if batch.frames:
+                frames = batch.frames
+                body = frames[0] if len(frames) == 1 else b"".join(frames)
                 await send({"type": "http.response.body", "body": body, "more_body": True})
                 last_write = loop.time()
                 if reader.done:
