@@ -7,7 +7,8 @@ errors are translated at the boundary (``raise ... from exc``) into one of these
     ├── ProtocolError                 bytes that break a wire format
     │   ├── SSEEncodeError            a value that cannot be framed (CR/LF in an id, ...)
     │   └── SSEDecodeError            input the SSE decoder refuses
-    │       └── LineTooLongError      a line past the decoder's ``max_line_bytes``
+    │       ├── LineTooLongError      a line past the decoder's ``max_line_bytes``
+    │       └── EventTooLargeError    an event's data past the decoder's ``max_event_chars``
     ├── StreamError                   about one stream; carries ``stream_id``
     │   ├── StreamNotFoundError       unknown, expired, or never existed
     │   ├── IllegalTransitionError    a state change the state table forbids
@@ -28,6 +29,7 @@ __all__ = [
     "BadRequestError",
     "CapacityError",
     "ConfigError",
+    "EventTooLargeError",
     "IllegalTransitionError",
     "LineTooLongError",
     "ProtocolError",
@@ -63,6 +65,14 @@ class LineTooLongError(SSEDecodeError):
     def __init__(self, max_line_bytes: int) -> None:
         super().__init__(f"SSE line longer than {max_line_bytes} bytes without a line end")
         self.max_line_bytes = max_line_bytes
+
+
+class EventTooLargeError(SSEDecodeError):
+    """An event's data grew past the decoder's ``max_event_chars`` before its blank line."""
+
+    def __init__(self, max_event_chars: int) -> None:
+        super().__init__(f"SSE event data longer than {max_event_chars} characters")
+        self.max_event_chars = max_event_chars
 
 
 class StreamError(SluiceError):

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from sluice.errors import ConfigError, LineTooLongError, SSEDecodeError
-from sluice.sse import DEFAULT_MAX_LINE_BYTES, MAX_RETRY_MS, Decoder, Event
+from sluice.errors import ConfigError, EventTooLargeError, LineTooLongError, SSEDecodeError
+from sluice.sse import DEFAULT_MAX_EVENT_CHARS, DEFAULT_MAX_LINE_BYTES, MAX_RETRY_MS, Decoder, Event
 
 BOM = b"\xef\xbb\xbf"
 
@@ -56,8 +56,13 @@ def decode(request: pytest.FixtureRequest) -> Decode:
     """Decode a complete stream, fed one of three ways, then closed."""
     feeder: Callable[[Decoder, bytes], list[Event]] = request.param
 
-    def run(stream: bytes, *, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Decoded:
-        decoder = Decoder(max_line_bytes=max_line_bytes)
+    def run(
+        stream: bytes,
+        *,
+        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+        max_event_chars: int = DEFAULT_MAX_EVENT_CHARS,
+    ) -> Decoded:
+        decoder = Decoder(max_line_bytes=max_line_bytes, max_event_chars=max_event_chars)
         events = feeder(decoder, stream)
         events += decoder.close()
         return Decoded(events, decoder.last_event_id, decoder.retry_ms)
@@ -421,6 +426,41 @@ def test_decoder_default_line_limit_is_one_mebibyte() -> None:
     assert DEFAULT_MAX_LINE_BYTES == 1 << 20
     line = b"data: " + b"x" * (DEFAULT_MAX_LINE_BYTES - 6)
     assert Decoder().feed(line + b"\n\n") == [Event("x" * (DEFAULT_MAX_LINE_BYTES - 6))]
+
+
+# --- divergence 5: bounded events --------------------------------------------------------
+
+
+def test_decoder_event_data_at_limit_is_accepted(decode: Decode) -> None:
+    # "ab" + LF + "cd" + LF: 6 characters in the data buffer.
+    assert decode(b"data: ab\ndata: cd\n\n", max_event_chars=6).events == [Event("ab\ncd")]
+
+
+def test_decoder_event_data_over_limit_raises_and_refuses_more(decode: Decode) -> None:
+    with pytest.raises(EventTooLargeError) as excinfo:
+        decode(b"data: a\n\n" + b"data: ab\n" * 3 + b"\n", max_event_chars=8)
+    assert excinfo.value.max_event_chars == 8
+
+
+def test_decoder_event_limit_resets_at_each_dispatch(decode: Decode) -> None:
+    stream = b"data: abc\n\n" * 50
+    assert decode(stream, max_event_chars=4).events == [Event("abc")] * 50
+
+
+def test_decoder_many_short_data_lines_cannot_grow_without_end() -> None:
+    decoder = Decoder(max_event_chars=1000)
+    for _ in range(499):  # 499 lines of "x" + LF: 998 characters buffered
+        decoder.feed(b"data: x\n")
+    with pytest.raises(EventTooLargeError):
+        decoder.feed(b"data: xy\n")
+    with pytest.raises(SSEDecodeError, match="earlier error"):
+        decoder.feed(b"\n")
+
+
+@pytest.mark.parametrize("max_event_chars", [0, -1, True, 1.5])
+def test_decoder_rejects_bad_max_event_chars(max_event_chars: int) -> None:
+    with pytest.raises(ConfigError, match="max_event_chars"):
+        Decoder(max_event_chars=max_event_chars)
 
 
 def test_decoder_long_line_fed_bytewise_keeps_buffer_to_one_line() -> None:

@@ -7,11 +7,17 @@ loop, in the manner of h11.
 
 from __future__ import annotations
 
-from sluice.sse.decoder import DEFAULT_MAX_LINE_BYTES, MAX_RETRY_MS, Decoder
+from sluice.sse.decoder import (
+    DEFAULT_MAX_EVENT_CHARS,
+    DEFAULT_MAX_LINE_BYTES,
+    MAX_RETRY_MS,
+    Decoder,
+)
 from sluice.sse.encoder import encode_comment, encode_event, encode_retry
 from sluice.sse.event import Event
 
 __all__ = [
+    "DEFAULT_MAX_EVENT_CHARS",
     "DEFAULT_MAX_LINE_BYTES",
     "MAX_RETRY_MS",
     "Decoder",

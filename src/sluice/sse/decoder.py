@@ -23,7 +23,11 @@ Deliberate divergences from the spec, each with its reason:
    event ID string" (§9.2.6 dispatch step 1), the value a reconnecting client sends as
    ``Last-Event-ID``. Like a browser's, it moves only when an event is dispatched (by a
    blank line), so an ``id`` in an event cut off by the end of the stream never counts.
-5. **No origin, no ``MessageEvent``.** Events are plain frozen values; the origin and
+5. **Bounded events.** The data buffer of one event is bounded too: past
+   ``max_event_chars`` characters of data the decoder raises
+   :class:`~sluice.errors.EventTooLargeError` and refuses further input, so many short
+   ``data:`` lines without a blank line cannot grow it without end either.
+6. **No origin, no ``MessageEvent``.** Events are plain frozen values; the origin and
    the task queue of §9.2.6 steps 5 and 8 belong to a browser.
 """
 
@@ -32,15 +36,20 @@ from __future__ import annotations
 import re
 from typing import NoReturn
 
-from sluice.errors import ConfigError, LineTooLongError, SSEDecodeError
+from sluice.errors import ConfigError, EventTooLargeError, LineTooLongError, SSEDecodeError
 from sluice.sse.event import Event
 
-__all__ = ["DEFAULT_MAX_LINE_BYTES", "MAX_RETRY_MS", "Decoder"]
+__all__ = ["DEFAULT_MAX_EVENT_CHARS", "DEFAULT_MAX_LINE_BYTES", "MAX_RETRY_MS", "Decoder"]
 
 # One line may be a whole event's data (a JSON chunk from an LLM server, with logprobs or a
 # tool call); 1 MiB is far above any such line yet small enough that one stream cannot
 # hold much memory hostage while waiting for a line end. Divergence 1.
 DEFAULT_MAX_LINE_BYTES: int = 1 << 20
+
+# An event's data may span many lines; 16 Mi characters holds any single LLM chunk (a
+# whole non-streamed completion with logprobs) while bounding what one event can pin.
+# Divergence 5.
+DEFAULT_MAX_EVENT_CHARS: int = 16 << 20
 
 # The spec sets no bound on ``retry``. Python refuses ``int()`` of very long digit strings,
 # and no reconnection delay needs more than an unsigned 64-bit count of milliseconds
@@ -85,23 +94,35 @@ class Decoder:
         "_bom_pending",
         "_buffer",
         "_closed",
+        "_data_chars",
         "_data_lines",
         "_error",
         "_event_type",
         "_last_event_id",
         "_last_event_id_buffer",
+        "_max_event_chars",
         "_max_line_bytes",
         "_retry_ms",
         "_scan_pos",
         "_skip_lf",
     )
 
-    def __init__(self, *, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> None:
-        if isinstance(max_line_bytes, bool) or not isinstance(max_line_bytes, int):
-            raise ConfigError(f"max_line_bytes must be an int, not {max_line_bytes!r}")
-        if max_line_bytes < 1:
-            raise ConfigError(f"max_line_bytes must be at least 1, not {max_line_bytes}")
+    def __init__(
+        self,
+        *,
+        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+        max_event_chars: int = DEFAULT_MAX_EVENT_CHARS,
+    ) -> None:
+        for name, bound in (
+            ("max_line_bytes", max_line_bytes),
+            ("max_event_chars", max_event_chars),
+        ):
+            if isinstance(bound, bool) or not isinstance(bound, int):
+                raise ConfigError(f"{name} must be an int, not {bound!r}")
+            if bound < 1:
+                raise ConfigError(f"{name} must be at least 1, not {bound}")
         self._max_line_bytes = max_line_bytes
+        self._max_event_chars = max_event_chars
         # Bytes not yet split into lines: at most one incomplete line after each feed().
         self._buffer = bytearray()
         # Bytes of _buffer before this index hold no CR or LF (no re-scan per byte fed).
@@ -114,6 +135,7 @@ class Decoder:
         # initially empty. The data buffer is kept as its values, joined at dispatch; it
         # is empty exactly when this list is.
         self._data_lines: list[str] = []
+        self._data_chars = 0  # characters in the data buffer, LFs included (divergence 5)
         self._event_type = ""
         self._last_event_id_buffer = ""
         # §9.2.6 dispatch step 1: the event source's "last event ID string".
@@ -136,7 +158,8 @@ class Decoder:
         """Buffer ``data`` and return the events it completed, in stream order.
 
         Raises :class:`~sluice.errors.LineTooLongError` when a line passes
-        ``max_line_bytes``, and :class:`~sluice.errors.SSEDecodeError` when called after
+        ``max_line_bytes``, :class:`~sluice.errors.EventTooLargeError` when an event's data
+        passes ``max_event_chars``, and :class:`~sluice.errors.SSEDecodeError` when called after
         ``close()`` or after an error.
         """
         if self._error is not None:
@@ -164,7 +187,7 @@ class Decoder:
         while (match := _LINE_END.search(buffer, pos)) is not None:
             end = match.start()
             if end - start > max_line_bytes:
-                self._fail()
+                self._fail(LineTooLongError(max_line_bytes))
             line = buffer[start:end].decode("utf-8", "replace")  # §9.2.5: UTF-8 decode.
             if buffer[end] == _CR:
                 if end + 1 == len(buffer):
@@ -183,7 +206,7 @@ class Decoder:
         del buffer[:start]  # One move per chunk, not per line.
         self._scan_pos = len(buffer)
         if len(buffer) > max_line_bytes:
-            self._fail()
+            self._fail(LineTooLongError(max_line_bytes))
         return events
 
     def close(self) -> list[Event]:
@@ -201,11 +224,12 @@ class Decoder:
         self._event_type = ""
         return []
 
-    def _fail(self) -> NoReturn:
-        """Drop the buffered bytes and refuse further input (divergence 1)."""
+    def _fail(self, error: SSEDecodeError) -> NoReturn:
+        """Drop everything buffered and refuse further input (divergences 1 and 5)."""
         self._buffer.clear()
         self._scan_pos = 0
-        error = LineTooLongError(self._max_line_bytes)
+        self._data_lines.clear()
+        self._data_chars = 0
         self._error = error
         raise error
 
@@ -229,6 +253,9 @@ class Decoder:
         if field == "data":
             # "Append the field value to the data buffer, then append a single U+000A
             # LINE FEED (LF) character" (the LFs are added by the join at dispatch).
+            self._data_chars += len(value) + 1
+            if self._data_chars > self._max_event_chars:
+                self._fail(EventTooLargeError(self._max_event_chars))
             self._data_lines.append(value)
         elif field == "event":
             self._event_type = value  # "Set the event type buffer to field value."
@@ -250,6 +277,7 @@ class Decoder:
         if not self._data_lines:
             self._event_type = ""
             return None
+        self._data_chars = 0
         # Steps 3-6: data without its final LF; type "message" unless the buffer says so.
         event = Event(
             data="\n".join(self._data_lines),
