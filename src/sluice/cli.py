@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from sluice import __version__
 from sluice.errors import ConfigError
 from sluice.gateway.app import create_app
+from sluice.gateway.protocol import SluiceHttpProtocol
 from sluice.gateway.settings import Settings
 
 __all__ = ["build_parser", "main"]
@@ -143,7 +144,7 @@ def serve(args: argparse.Namespace) -> int:
         port=args.port,
         fd=args.fd,
         loop="uvloop",
-        http="httptools",
+        http=SluiceHttpProtocol,
         ws="none",
         lifespan="on",
         log_level=args.log_level,

@@ -40,7 +40,7 @@ async def read_until_done(reader: Reader, timeout_s: float = 10.0) -> list[Neutr
     loop = asyncio.get_running_loop()
     async with asyncio.timeout(timeout_s):
         while not reader.done:
-            batch = await reader.read(100)
+            batch = reader.read(100)
             events.extend(batch.events)
             if not batch.events:
                 waiter: asyncio.Future[None] = loop.create_future()
@@ -59,7 +59,7 @@ def texts(events: list[NeutralEvent]) -> str:
 async def test_stream_runs_to_one_terminal_event_and_text_equals_prompt(hub: StreamHub) -> None:
     prompt = "  the quick\tbrown fox\n jumps  "
     stream = await hub.create("words", GenerationRequest(prompt))
-    reader = await hub.open_reader(stream.id, 0)
+    reader = hub.open_reader(stream.id, 0)
     events = await read_until_done(reader)
     reader.close()
     assert isinstance(events[0], Started)
@@ -71,7 +71,7 @@ async def test_stream_runs_to_one_terminal_event_and_text_equals_prompt(hub: Str
 
 async def test_max_tokens_ends_with_length(hub: StreamHub) -> None:
     stream = await hub.create("words", GenerationRequest("a b c d e", max_tokens=2))
-    events = await read_until_done(await hub.open_reader(stream.id, 0))
+    events = await read_until_done(hub.open_reader(stream.id, 0))
     assert texts(events) == "a b"
     assert events[-1] == Finished(FinishReason.LENGTH)
 
@@ -81,10 +81,10 @@ async def test_explicit_cancel_stops_the_producer_with_one_terminal_event() -> N
     hub = StreamHub(MemoryEventLog(), {"words": backend}, HubSettings(default_grace_s=30))
     async with hub.running():
         stream = await hub.create("words", GenerationRequest("w " * 1000, interval_s=0.01))
-        reader = await hub.open_reader(stream.id, 0)
+        reader = hub.open_reader(stream.id, 0)
         seen: list[NeutralEvent] = []
         while len(seen) < 4:  # start + 3 tokens
-            seen.extend((await reader.read(100)).events)
+            seen.extend((reader.read(100)).events)
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             reader.watch(waiter)
             await waiter
@@ -100,7 +100,7 @@ async def test_explicit_cancel_stops_the_producer_with_one_terminal_event() -> N
         assert emitted < 1000
         assert stream.state is StreamState.CANCELLED
         assert hub.cancel(stream.id) is stream  # idempotent
-        assert await hub.log.last_seq(stream.id) == len(events)
+        assert hub.log.last_seq(stream.id) == len(events)
 
 
 async def test_cancel_before_the_producer_starts_still_writes_the_terminal(
@@ -108,7 +108,7 @@ async def test_cancel_before_the_producer_starts_still_writes_the_terminal(
 ) -> None:
     stream = await hub.create("words", GenerationRequest("never said"))
     hub.cancel(stream.id)  # the producer task has not run yet
-    events = await read_until_done(await hub.open_reader(stream.id, 0))
+    events = await read_until_done(hub.open_reader(stream.id, 0))
     assert events == [Usage(2, 0), Finished(FinishReason.CANCELLED)]
     assert stream.state is StreamState.CANCELLED
 
@@ -119,13 +119,13 @@ async def test_last_reader_leaving_a_non_resumable_stream_cancels_it_at_once(
     stream = await hub.create(
         "words", GenerationRequest("w " * 100, interval_s=0.05), resumable=False
     )
-    first = await hub.open_reader(stream.id, 0)
-    second = await hub.open_reader(stream.id, 0)
+    first = hub.open_reader(stream.id, 0)
+    second = hub.open_reader(stream.id, 0)
     first.close()
     assert not stream.cancel_requested
     second.close()
     assert stream.cancel_requested
-    events = await read_until_done(await hub.open_reader(stream.id, 0))
+    events = await read_until_done(hub.open_reader(stream.id, 0))
     assert events[-1] == Finished(FinishReason.CANCELLED)
 
 
@@ -133,9 +133,9 @@ async def test_resumable_stream_survives_a_reader_that_returns_within_grace(
     hub: StreamHub,
 ) -> None:
     stream = await hub.create("words", GenerationRequest("w " * 10, interval_s=0.1), grace_s=5)
-    (await hub.open_reader(stream.id, 0)).close()
+    hub.open_reader(stream.id, 0).close()
     assert stream.timer is not None
-    reader = await hub.open_reader(stream.id, 0)
+    reader = hub.open_reader(stream.id, 0)
     assert stream.timer is None
     events = await read_until_done(reader)
     assert events[-1] == Finished(FinishReason.STOP)
@@ -145,7 +145,7 @@ async def test_resumable_stream_is_cancelled_when_grace_ends_without_reader(
     hub: StreamHub,
 ) -> None:
     stream = await hub.create("words", GenerationRequest("w " * 100, interval_s=60), grace_s=0.2)
-    (await hub.open_reader(stream.id, 0)).close()
+    hub.open_reader(stream.id, 0).close()
     assert not stream.cancel_requested
     assert await terminal_without_reading(hub, stream.id) == Finished(FinishReason.CANCELLED)
 
@@ -156,7 +156,7 @@ async def terminal_without_reading(hub: StreamHub, stream_id: str) -> NeutralEve
     loop = asyncio.get_running_loop()
     async with asyncio.timeout(10):
         while True:
-            batch = await hub.log.read(stream_id, after, 100)
+            batch = hub.log.read(stream_id, after, 100)
             after = batch.last_seq
             for event in batch.events:
                 if isinstance(event, Finished):
@@ -194,16 +194,16 @@ async def test_finished_stream_is_forgotten_after_retention() -> None:
     hub = StreamHub(MemoryEventLog(), {"words": WordsBackend()}, HubSettings(retention_s=0.05))
     async with hub.running():
         stream = await hub.create("words", GenerationRequest("a b"))
-        reader = await hub.open_reader(stream.id, 0)
+        reader = hub.open_reader(stream.id, 0)
         await read_until_done(reader)
         reader.close()
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        hub.log.watch(stream.id, await hub.log.last_seq(stream.id), waiter)
+        hub.log.watch(stream.id, hub.log.last_seq(stream.id), waiter)
         await asyncio.wait_for(waiter, timeout=5)  # resolved when retention deletes the log
         with pytest.raises(StreamNotFoundError):
             hub.get(stream.id)
         with pytest.raises(StreamNotFoundError):
-            await hub.log.last_seq(stream.id)
+            hub.log.last_seq(stream.id)
 
 
 async def test_leaving_the_hub_cancels_live_streams_and_ends_them() -> None:

@@ -22,19 +22,19 @@ async def test_append_numbers_events_from_one_and_read_replays_after_a_position(
 ) -> None:
     log = make_log(LogLimits())
     await log.create(SID)
-    assert await log.last_seq(SID) == 0
+    assert log.last_seq(SID) == 0
     last = await log.append(SID, [TextDelta("a"), TextDelta("b")])
     assert last == 2
     assert await log.append(SID, [TextDelta("c")]) == 3
-    batch = await log.read(SID, 0, 10)
+    batch = log.read(SID, 0, 10)
     assert (batch.first_seq, batch.last_seq) == (1, 3)
     assert list(batch.events) == [TextDelta("a"), TextDelta("b"), TextDelta("c")]
     assert len(batch.frames) == 3
-    later = await log.read(SID, 1, 10)
+    later = log.read(SID, 1, 10)
     assert (later.first_seq, list(later.events)) == (2, [TextDelta("b"), TextDelta("c")])
-    empty = await log.read(SID, 3, 10)
+    empty = log.read(SID, 3, 10)
     assert (len(empty), empty.first_seq, empty.last_seq) == (0, 4, 3)
-    assert list((await log.read(SID, 0, 2)).events) == [TextDelta("a"), TextDelta("b")]
+    assert list((log.read(SID, 0, 2)).events) == [TextDelta("a"), TextDelta("b")]
 
 
 async def test_frames_are_native_sse_with_stream_scoped_ids(make_log: LogFactory) -> None:
@@ -42,7 +42,7 @@ async def test_frames_are_native_sse_with_stream_scoped_ids(make_log: LogFactory
     await log.create(SID)
     await log.append(SID, [TextDelta("hi\nthere"), Finished(FinishReason.STOP)])
     decoder = Decoder()
-    events = decoder.feed(b"".join((await log.read(SID, 0, 10)).frames))
+    events = decoder.feed(b"".join((log.read(SID, 0, 10)).frames))
     assert events == [
         Event(data='{"text":"hi\\nthere"}', event="token", id=f"{SID}:1"),
         Event(data='{"reason":"stop"}', event="done", id=f"{SID}:2"),
@@ -52,7 +52,7 @@ async def test_frames_are_native_sse_with_stream_scoped_ids(make_log: LogFactory
 async def test_unknown_stream_raises_not_found(make_log: LogFactory) -> None:
     log = make_log(LogLimits())
     with pytest.raises(StreamNotFoundError):
-        await log.read(SID, 0, 1)
+        log.read(SID, 0, 1)
     with pytest.raises(StreamNotFoundError):
         await log.append(SID, [TextDelta("x")])
 
@@ -62,12 +62,12 @@ async def test_bounded_log_drops_oldest_and_reports_a_resume_gap(make_log: LogFa
     await log.create(SID)
     for i in range(25):
         await log.append(SID, [TextDelta(str(i))])
-    batch = await log.read(SID, await log.last_seq(SID) - 5, 100)
+    batch = log.read(SID, log.last_seq(SID) - 5, 100)
     assert list(batch.events) == [TextDelta(str(i)) for i in range(20, 25)]
     with pytest.raises(ResumeGapError) as gap:
-        await log.read(SID, 0, 100)
+        log.read(SID, 0, 100)
     assert gap.value.first_retained_seq > 1
-    retained = await log.read(SID, gap.value.first_retained_seq - 1, 100)
+    retained = log.read(SID, gap.value.first_retained_seq - 1, 100)
     assert 0 < len(retained) <= 10
     assert retained.last_seq == 25
     assert len(retained.frames) == len(retained.events)
@@ -78,7 +78,7 @@ async def test_byte_bound_keeps_at_least_the_newest_record(make_log: LogFactory)
     await log.create(SID)
     for _ in range(5):
         await log.append(SID, [TextDelta("x" * 150)])
-    batch = await log.read(SID, 4, 10)
+    batch = log.read(SID, 4, 10)
     assert (batch.first_seq, len(batch)) == (5, 1)
 
 
@@ -109,4 +109,4 @@ async def test_delete_wakes_watchers_and_forgets_the_stream(make_log: LogFactory
     await log.delete(SID)
     assert waiter.done()
     with pytest.raises(StreamNotFoundError):
-        await log.last_seq(SID)
+        log.last_seq(SID)

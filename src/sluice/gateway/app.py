@@ -32,9 +32,6 @@ from sluice.transports.asgi import Receive, Scope, Send
 
 __all__ = ["SluiceApp", "create_app"]
 
-_STREAMS_PREFIX = "/v1/streams/"
-_EVENTS_SUFFIX = "/events"
-
 
 class SluiceApp:
     """The ASGI callable; ``hub`` is exposed for operations and tests."""
@@ -48,7 +45,7 @@ class SluiceApp:
             max_streams=settings.max_streams,
         )
         self.hub = StreamHub(log, backends, hub_settings)
-        self._streams = EventStreams(self.hub, settings)
+        self.streams = EventStreams(self.hub, settings)
         page = resources.files("sluice.web").joinpath("index.html").read_text("utf-8")
         api = NativeApi(self.hub, settings, page)
         self._framework = Starlette(
@@ -85,15 +82,9 @@ class SluiceApp:
             await backend.aclose()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "GET":
-            path: str = scope["path"]
-            if path.startswith(_STREAMS_PREFIX) and path.endswith(_EVENTS_SUFFIX):
-                stream_id = path[len(_STREAMS_PREFIX) : -len(_EVENTS_SUFFIX)]
-                await self._streams.events(scope, receive, send, stream_id)
-                return
-            if path == "/v1/demo/words":
-                await self._streams.demo_words(scope, receive, send)
-                return
+        if scope["type"] == "http" and EventStreams.handles(scope["method"], scope["path"]):
+            await self.streams(scope, receive, send)
+            return
         await self._framework(scope, receive, send)
 
 

@@ -1,7 +1,10 @@
-"""The SSE endpoints, as plain ASGI: ``/v1/streams/{id}/events`` and ``/v1/demo/words``.
+"""The SSE endpoints: ``GET /v1/streams/{id}/events`` and ``GET /v1/demo/words``.
 
-These hold a connection for the life of a stream, so they skip the framework's middleware
-stack: every coroutine frame and wrapper here is multiplied by the number of held streams.
+:meth:`EventStreams.open` decides what a request gets (a reader, ``None`` for 204, or an
+error); delivery is either the plain ASGI coroutine (:meth:`EventStreams.__call__`, any
+ASGI server) or the callback-driven connection of :mod:`sluice.gateway.protocol`
+(``sluice serve``). Both skip the framework's middleware stack: every coroutine frame and
+wrapper here is multiplied by the number of held streams.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ __all__ = ["EventStreams"]
 
 # The demo's default pace: slow enough to watch words arrive one by one.
 _DEMO_INTERVAL_MS = 50.0
+_STREAMS_PREFIX = "/v1/streams/"
+_EVENTS_SUFFIX = "/events"
+_DEMO_PATH = "/v1/demo/words"
 
 
 class EventStreams:
@@ -32,13 +38,22 @@ class EventStreams:
     def __init__(self, hub: StreamHub, settings: Settings) -> None:
         self._hub = hub
         self._settings = settings
-        self._options = SSEOptions(
+        self.options = SSEOptions(
             heartbeat_interval_s=settings.heartbeat_interval_s,
             retry_ms=settings.retry_ms,
             max_batch_records=settings.max_batch_records,
         )
 
-    def _cors_headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
+    @staticmethod
+    def handles(method: str, path: str) -> bool:
+        """True for the requests this class serves."""
+        if method != "GET":
+            return False
+        if path == _DEMO_PATH:
+            return True
+        return path.startswith(_STREAMS_PREFIX) and path.endswith(_EVENTS_SUFFIX)
+
+    def cors_headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
         origins = self._settings.cors_allow_origins
         if "*" in origins:
             return [(b"access-control-allow-origin", b"*")]
@@ -47,58 +62,44 @@ class EventStreams:
                 return [(b"access-control-allow-origin", value), (b"vary", b"Origin")]
         return []
 
-    async def _open(self, stream: Stream, after_seq: int) -> Reader | None:
-        """A reader after ``after_seq``, or ``None`` when there is nothing left to send."""
-        last_seq = await self._hub.log.last_seq(stream.id)
+    async def open(self, scope: Scope) -> Reader | None:
+        """The reader a request gets, or ``None`` when nothing is left (answer 204).
+
+        Raises :class:`~sluice.errors.SluiceError` for requests that get an error answer.
+        """
+        path: str = scope["path"]
+        query = parse_qs(scope["query_string"].decode("latin-1"), keep_blank_values=True)
+        position = last_event_id(scope, query)
+        if path == _DEMO_PATH:
+            # EventSource reconnects to the URL it first opened, so a request that carries
+            # a Last-Event-ID resumes that stream instead of starting another.
+            if position is not None:
+                return self._resume(position, None)
+            return await self._start_words(query)
+        stream_id = path[len(_STREAMS_PREFIX) : -len(_EVENTS_SUFFIX)]
+        if not is_stream_id(stream_id):
+            raise BadEventIdError(f"malformed stream id {stream_id[:80]!r}")
+        if position is None:
+            return self._open(self._hub.get(stream_id), 0)
+        return self._resume(position, stream_id)
+
+    def _open(self, stream: Stream, after_seq: int) -> Reader | None:
+        last_seq = self._hub.log.last_seq(stream.id)
         if after_seq > last_seq:
             raise BadEventIdError(
                 f"Last-Event-ID names event {after_seq}, but stream {stream.id} has {last_seq}"
             )
         if stream.is_terminal and after_seq >= last_seq:
             return None
-        return await self._hub.open_reader(stream.id, after_seq)
+        return self._hub.open_reader(stream.id, after_seq)
 
-    async def _resume(self, position: tuple[str, int], stream_id: str | None) -> Reader | None:
+    def _resume(self, position: tuple[str, int], stream_id: str | None) -> Reader | None:
         position_stream, after_seq = position
         if stream_id is not None and position_stream != stream_id:
             raise BadEventIdError(
                 f"Last-Event-ID belongs to stream {position_stream}, not {stream_id}"
             )
-        return await self._open(self._hub.get(position_stream), after_seq)
-
-    async def events(self, scope: Scope, receive: Receive, send: Send, stream_id: str) -> None:
-        """``GET /v1/streams/{id}/events``: replay after Last-Event-ID, then follow live."""
-        try:
-            if not is_stream_id(stream_id):
-                raise BadEventIdError(f"malformed stream id {stream_id[:80]!r}")
-            query = parse_qs(scope["query_string"].decode("latin-1"))
-            position = last_event_id(scope, query)
-            if position is None:
-                reader = await self._open(self._hub.get(stream_id), 0)
-            else:
-                reader = await self._resume(position, stream_id)
-        except SluiceError as exc:
-            await response_for(exc)(scope, receive, send)
-            return
-        await self._deliver(scope, receive, send, reader)
-
-    async def demo_words(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """``GET /v1/demo/words?text=...``: start a ``words`` stream and stream it here.
-
-        EventSource reconnects to the URL it first opened, so a request that carries a
-        Last-Event-ID resumes that stream instead of starting another.
-        """
-        try:
-            query = parse_qs(scope["query_string"].decode("latin-1"), keep_blank_values=True)
-            position = last_event_id(scope, query)
-            if position is not None:
-                reader = await self._resume(position, None)
-            else:
-                reader = await self._start_words(query)
-        except SluiceError as exc:
-            await response_for(exc)(scope, receive, send)
-            return
-        await self._deliver(scope, receive, send, reader)
+        return self._open(self._hub.get(position_stream), after_seq)
 
     async def _start_words(self, query: dict[str, list[str]]) -> Reader | None:
         texts = query.get("text")
@@ -115,17 +116,21 @@ class EventStreams:
         stream = await self._hub.create(
             "words", to_generation_request(text, interval_ms, max_tokens), resumable=True
         )
-        return await self._hub.open_reader(stream.id, 0)
+        return self._hub.open_reader(stream.id, 0)
 
-    async def _deliver(
-        self, scope: Scope, receive: Receive, send: Send, reader: Reader | None
-    ) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serve one SSE request as a plain ASGI app."""
+        try:
+            reader = await self.open(scope)
+        except SluiceError as exc:
+            await response_for(exc)(scope, receive, send)
+            return
         if reader is None:
             # 204 tells EventSource the stream is over: it stops reconnecting.
             await Response(status_code=204)(scope, receive, send)
             return
         await send_event_stream(
-            receive, send, reader, self._options, extra_headers=self._cors_headers(scope)
+            receive, send, reader, self.options, extra_headers=self.cors_headers(scope)
         )
 
 

@@ -208,7 +208,7 @@ class StreamHub:
 
     # ------------------------------------------------------------------ readers
 
-    async def open_reader(self, stream_id: str, after_seq: int) -> Reader:
+    def open_reader(self, stream_id: str, after_seq: int) -> Reader:
         """Attach a reader that starts after event ``after_seq``; close it when done."""
         stream = self.get(stream_id)
         if stream.timer is not None and not stream.is_terminal:

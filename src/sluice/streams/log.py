@@ -12,6 +12,9 @@ Contract:
   are none yet). Asking for a position older than the oldest retained record
   raises :class:`~sluice.errors.ResumeGapError`; an unknown stream raises
   :class:`~sluice.errors.StreamNotFoundError`.
+- ``read`` and ``last_seq`` are synchronous: a reader reads what this process holds, so a
+  connection can be driven by callbacks without a task. (A shared-store log keeps a local
+  mirror of the streams being read, fed by one subscription per stream.)
 - ``watch(after_seq, waiter)`` resolves ``waiter`` (a future owned by the caller) as soon as
   a record with ``seq > after_seq`` exists, at once if one already does, or when the log is
   deleted. ``unwatch`` forgets it. Waiters are futures, not tasks: a held idle reader costs
@@ -78,9 +81,9 @@ class EventLog(Protocol):
         """Append ``events``; return the seq of the last one."""
         ...
 
-    async def read(self, stream_id: str, after_seq: int, max_records: int) -> Batch: ...
+    def read(self, stream_id: str, after_seq: int, max_records: int) -> Batch: ...
 
-    async def last_seq(self, stream_id: str) -> int: ...
+    def last_seq(self, stream_id: str) -> int: ...
 
     def watch(self, stream_id: str, after_seq: int, waiter: asyncio.Future[None]) -> None: ...
 

@@ -88,7 +88,7 @@ class MemoryEventLog:
         log.first_seq += drop
         log.num_bytes = num_bytes
 
-    async def read(self, stream_id: str, after_seq: int, max_records: int) -> Batch:
+    def read(self, stream_id: str, after_seq: int, max_records: int) -> Batch:
         log = self._get(stream_id)
         start = after_seq + 1 - log.first_seq
         if start < 0:
@@ -96,7 +96,7 @@ class MemoryEventLog:
         end = start + max_records
         return Batch(after_seq + 1, log.events[start:end], log.frames[start:end])
 
-    async def last_seq(self, stream_id: str) -> int:
+    def last_seq(self, stream_id: str) -> int:
         log = self._get(stream_id)
         return log.first_seq + len(log.frames) - 1
 

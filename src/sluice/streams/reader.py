@@ -47,9 +47,9 @@ class Reader:
         self._on_close = on_close
         self._closed = False
 
-    async def read(self, max_records: int) -> Batch:
+    def read(self, max_records: int) -> Batch:
         """The next records after the reader's position (possibly none); advances it."""
-        batch = await self._log.read(self.stream_id, self.after_seq, max_records)
+        batch = self._log.read(self.stream_id, self.after_seq, max_records)
         if batch.events:
             self.after_seq = batch.last_seq
             if is_terminal(batch.events[-1]):

@@ -1,22 +1,24 @@
-"""Server-Sent Events delivery: one reader's records to one HTTP response, as plain ASGI.
+"""Server-Sent Events delivery: one reader's records to one HTTP response.
 
-The loop per connection:
+Two drivers share the same wire output (``retry:`` hint first, frames encoded once at
+append and joined per write, ``: ping`` when idle, end after the terminal event):
 
-1. send the response head (headers go out at once) and a ``retry:`` hint;
-2. read every record the log holds after the reader's position (up to a batch bound) and
-   write their frames, encoded once at append, joined in one ``send``;
-3. when nothing is ready, wait on a single future that the log resolves on append, a timer
-   resolves for the next heartbeat, or the disconnect watcher resolves when the peer leaves;
-4. stop after the terminal event, a resume gap, or a disconnect; always detach the reader.
+- :class:`SSEConnection` writes straight to an asyncio transport and is driven by
+  callbacks: the log resolves a future when records arrive, a timer handles heartbeats,
+  the protocol reports flow control and disconnects. No task, queue or buffer per
+  connection: a held idle stream costs this object, one pending future and one timer.
+  ``sluice serve`` uses it through :mod:`sluice.gateway.protocol`.
+- :func:`send_event_stream` is the same loop as a plain ASGI coroutine, for any ASGI
+  server.
 
-Per connection this holds one coroutine, one future while idle, one timer handle and the
-disconnect watcher: no queues, no buffers beyond the batch being written.
+A reader whose client cannot keep up is simply not read: the log absorbs the gap, and
+when the transport drains the next write carries every frame that is ready.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sluice.dialects import native
@@ -25,7 +27,7 @@ from sluice.sse import encode_comment, encode_retry
 from sluice.streams.reader import Reader
 from sluice.transports.asgi import Receive, Send
 
-__all__ = ["SSE_HEADERS", "SSEOptions", "send_event_stream"]
+__all__ = ["SSE_HEADERS", "SSEConnection", "SSEOptions", "send_event_stream"]
 
 SSE_HEADERS: tuple[tuple[bytes, bytes], ...] = (
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -44,7 +46,7 @@ class SSEOptions:
     heartbeat_interval_s: float = 15.0
     # The reconnection delay EventSource should use after a drop.
     retry_ms: int = 1000
-    # Frames joined into one write when a reader is behind (bounds a single send's size).
+    # Frames joined into one write when a reader is behind (bounds a single write's size).
     max_batch_records: int = 512
 
     def __post_init__(self) -> None:
@@ -54,6 +56,149 @@ class SSEOptions:
             raise ValueError("retry_ms must not be negative")
         if self.max_batch_records < 1:
             raise ValueError("max_batch_records must be at least 1")
+
+
+def _next_body(reader: Reader, max_records: int) -> bytes | None:
+    """The bytes to write next for ``reader``: ready frames, a refusal, or ``None``.
+
+    Sets ``reader.done`` when the body ends the stream (terminal event, resume gap, or a
+    log that expired underneath).
+    """
+    try:
+        batch = reader.read(max_records)
+    except ResumeGapError as exc:
+        reader.done = True
+        return native.error_frame("resume_gap", str(exc))
+    except StreamNotFoundError:
+        reader.done = True  # expired under us: nothing more will come
+        return b""
+    frames = batch.frames
+    if not frames:
+        return None
+    return frames[0] if len(frames) == 1 else b"".join(frames)
+
+
+class SSEConnection:
+    """One SSE response body written to ``write`` as the reader's records arrive.
+
+    ``write`` takes body bytes (the HTTP layer frames them: chunked or raw); ``finish``
+    is called once, with ``True`` when the response ended cleanly (the HTTP layer may
+    keep the connection) and ``False`` when it must be closed.
+    """
+
+    __slots__ = (
+        "_finish",
+        "_heartbeat",
+        "_last_write",
+        "_loop",
+        "_options",
+        "_paused",
+        "_waiter",
+        "_write",
+        "closed",
+        "reader",
+    )
+
+    def __init__(
+        self,
+        reader: Reader,
+        options: SSEOptions,
+        *,
+        write: Callable[[bytes], None],
+        finish: Callable[[bool], None],
+    ) -> None:
+        self.reader = reader
+        self._options = options
+        self._write = write
+        self._finish = finish
+        self._loop = asyncio.get_running_loop()
+        self._waiter: asyncio.Future[None] | None = None
+        self._heartbeat: asyncio.TimerHandle | None = None
+        self._last_write = 0.0
+        self._paused = False
+        self.closed = False
+
+    def start(self) -> None:
+        """Write the ``retry:`` hint and everything ready, then follow the log."""
+        self._write(encode_retry(self._options.retry_ms))
+        self._last_write = self._loop.time()
+        self._heartbeat = self._loop.call_later(
+            self._options.heartbeat_interval_s, self._on_heartbeat
+        )
+        self._pump()
+
+    def _pump(self) -> None:
+        reader = self.reader
+        max_records = self._options.max_batch_records
+        while not self.closed and not self._paused:
+            if reader.interrupted:
+                self._end(clean=True)
+                return
+            body = _next_body(reader, max_records)
+            if body is None:
+                waiter = self._loop.create_future()
+                waiter.add_done_callback(self._on_ready)
+                self._waiter = waiter
+                reader.watch(waiter)
+                return
+            if body:
+                self._write(body)
+                self._last_write = self._loop.time()
+            if reader.done:
+                self._end(clean=True)
+                return
+
+    def _on_ready(self, waiter: asyncio.Future[None]) -> None:
+        if self._waiter is waiter:
+            self._waiter = None
+            self._pump()
+
+    def _on_heartbeat(self) -> None:
+        if self.closed:
+            return
+        interval_s = self._options.heartbeat_interval_s
+        idle_s = self._loop.time() - self._last_write
+        if idle_s >= interval_s and not self._paused:
+            self._write(_PING)
+            self._last_write = self._loop.time()
+            idle_s = 0.0
+        self._heartbeat = self._loop.call_later(interval_s - idle_s, self._on_heartbeat)
+
+    def pause_writing(self) -> None:
+        """The transport's buffer is full: stop reading the log until it drains."""
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._waiter is None and not self.closed:
+            self._pump()
+
+    def interrupt(self) -> None:
+        """End the response now, on an event boundary (server shutdown, drop)."""
+        self.reader.interrupt()
+        if self._paused and not self.closed:
+            self._end(clean=False)
+
+    def connection_lost(self) -> None:
+        """The peer is gone: detach without writing anything."""
+        self._release()
+
+    def _end(self, *, clean: bool) -> None:
+        self._release()
+        self._finish(clean)
+
+    def _release(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            self._heartbeat = None
+        if self._waiter is not None:
+            self.reader.unwatch(self._waiter)
+            self._waiter.cancel()
+            self._waiter = None
+        self.reader.close()
 
 
 async def _until_disconnect(receive: Receive) -> None:
@@ -69,7 +214,7 @@ def _resolve(future: asyncio.Future[None] | None) -> None:
 
 
 class _Wakeup:
-    """The one future a waiting connection sleeps on; anything may resolve it."""
+    """The one future a waiting ASGI connection sleeps on; anything may resolve it."""
 
     __slots__ = ("future",)
 
@@ -88,7 +233,7 @@ async def send_event_stream(
     *,
     extra_headers: Iterable[tuple[bytes, bytes]] = (),
 ) -> None:
-    """Stream ``reader``'s records as an SSE response until the end or a disconnect."""
+    """Stream ``reader``'s records as a plain ASGI SSE response until the end or a disconnect."""
     loop = asyncio.get_running_loop()
     # Owned by this coroutine and cancelled in ``finally``: it only waits for the peer to go.
     disconnect = asyncio.ensure_future(_until_disconnect(receive))
@@ -98,32 +243,18 @@ async def send_event_stream(
     try:
         headers = [*SSE_HEADERS, *extra_headers]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send(
-            {
-                "type": "http.response.body",
-                "body": encode_retry(options.retry_ms),
-                "more_body": True,
-            }
-        )
+        retry = encode_retry(options.retry_ms)
+        await send({"type": "http.response.body", "body": retry, "more_body": True})
         last_write = loop.time()
         heartbeat_s = options.heartbeat_interval_s
-        max_batch = options.max_batch_records
         while not disconnect.done() and not reader.interrupted:
-            try:
-                batch = await reader.read(max_batch)
-            except ResumeGapError as exc:
-                body = native.error_frame("resume_gap", str(exc))
-                await send({"type": "http.response.body", "body": body, "more_body": True})
-                break
-            except StreamNotFoundError:
-                break  # expired under us: nothing more will come
-            if batch.frames:
-                frames = batch.frames
-                body = frames[0] if len(frames) == 1 else b"".join(frames)
+            body = _next_body(reader, options.max_batch_records)
+            if body:
                 await send({"type": "http.response.body", "body": body, "more_body": True})
                 last_write = loop.time()
-                if reader.done:
-                    break
+            if reader.done:
+                break
+            if body is not None:
                 continue
             idle_s = loop.time() - last_write
             if idle_s >= heartbeat_s:

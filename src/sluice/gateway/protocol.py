@@ -1,0 +1,187 @@
+"""The HTTP/1.1 protocol ``sluice serve`` runs: uvicorn's, with SSE reads served natively.
+
+uvicorn takes its HTTP protocol as a class (``uvicorn.Config(http=...)``). This one is
+uvicorn's httptools protocol with one change: a request that
+:meth:`EventStreams.handles <sluice.gateway.streaming.EventStreams.handles>` (the SSE reads)
+is not run as an ASGI task. A short task decides what it gets (reader, 204 or error); from
+then on an :class:`~sluice.transports.sse.SSEConnection` writes the log's frames straight to
+the transport, driven by callbacks:
+
+- no ASGI task, receive/send coroutines or disconnect watcher stays alive per stream;
+- ``connection_lost`` detaches the reader at once (the hub may cancel the stream);
+- ``pause_writing``/``resume_writing`` stop and restart reading the log (backpressure);
+- a graceful shutdown ends each stream on an event boundary.
+
+Every other request, and every SSE read when the app is served by another ASGI server,
+goes through the ASGI app unchanged. uvicorn is pinned: this subclass relies on its
+parser callbacks (``on_headers_complete``, ``on_body``, ``on_message_complete``) and on
+``on_response_complete`` for keep-alive.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from typing import Any, cast
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from sluice.errors import SluiceError
+from sluice.gateway.errors import response_for
+from sluice.gateway.streaming import EventStreams
+from sluice.transports.asgi import Scope
+from sluice.transports.sse import SSE_HEADERS, SSEConnection
+
+__all__ = ["SluiceHttpProtocol"]
+
+_LAST_CHUNK = b"0\r\n\r\n"
+
+
+class SluiceHttpProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 protocol with callback-driven SSE reads."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sse_streams: EventStreams | None = getattr(self.config.app, "streams", None)
+        self.sse: SSEConnection | None = None
+        self.sse_request = False  # the current request is an SSE read served here
+        self.sse_keep_alive = False
+        self.sse_chunked = True
+
+    # ------------------------------------------------------------------ parser callbacks
+
+    def on_headers_complete(self) -> None:
+        if self.sse_request:
+            # A request pipelined behind a live SSE response: not supported, hang up.
+            self.transport.close()
+            return
+        streams = self.sse_streams
+        method = self.parser.get_method().decode("ascii")
+        if streams is None or self.parser.should_upgrade():
+            super().on_headers_complete()
+            return
+        parsed = httptools.parse_url(self.url)
+        path = parsed.path.decode("ascii")
+        if "%" in path:
+            path = urllib.parse.unquote(path)
+        busy = self.cycle is not None and not self.cycle.response_complete
+        if busy or not streams.handles(method, path):
+            super().on_headers_complete()
+            return
+        http_version = self.parser.get_http_version()
+        self.scope["method"] = method
+        self.scope["http_version"] = http_version
+        self.scope["path"] = path
+        self.scope["raw_path"] = parsed.path
+        self.scope["query_string"] = parsed.query or b""
+        self.cycle = None  # type: ignore[assignment]
+        self.sse_request = True
+        self.sse_keep_alive = http_version != "1.0" and self.parser.should_keep_alive()
+        self.sse_chunked = http_version != "1.0"
+        scope: Scope = cast(Scope, self.scope)
+        task = self.loop.create_task(self._open_sse(streams, scope))
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
+
+    def on_body(self, body: bytes) -> None:
+        if not self.sse_request:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not self.sse_request:
+            super().on_message_complete()
+
+    # ------------------------------------------------------------------ transport events
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.sse is not None:
+            self.sse.connection_lost()
+            self.sse = None
+        self.sse_request = False
+        super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.sse is not None:
+            self.sse.pause_writing()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.sse is not None:
+            self.sse.resume_writing()
+
+    def shutdown(self) -> None:
+        if not self.sse_request:
+            super().shutdown()
+            return
+        self.sse_keep_alive = False
+        if self.sse is not None:
+            self.sse.interrupt()  # ends on an event boundary, then closes
+
+    # ------------------------------------------------------------------ the SSE response
+
+    async def _open_sse(self, streams: EventStreams, scope: Scope) -> None:
+        try:
+            reader = await streams.open(scope)
+        except SluiceError as exc:
+            response = response_for(exc)
+            self._write_whole(response.status_code, response.raw_headers, bytes(response.body))
+            return
+        if reader is None:
+            # 204 tells EventSource the stream is over: it stops reconnecting.
+            self._write_whole(204, [], b"")
+            return
+        if self.transport.is_closing():
+            reader.close()  # the client left while we decided
+            self.sse_request = False
+            return
+        headers = [*SSE_HEADERS, *streams.cors_headers(scope)]
+        self._write_head(200, headers, chunked=self.sse_chunked)
+        write = self._write_chunk if self.sse_chunked else self.transport.write
+        self.sse = SSEConnection(reader, streams.options, write=write, finish=self._finish_sse)
+        self.sse.start()
+
+    def _write_head(
+        self, status: int, headers: list[tuple[bytes, bytes]], *, chunked: bool
+    ) -> None:
+        parts = [STATUS_LINE[status]]
+        for name, value in (*self.server_state.default_headers, *headers):
+            parts += [name, b": ", value, b"\r\n"]
+        if chunked:
+            parts.append(b"transfer-encoding: chunked\r\n")
+        if not self.sse_keep_alive:
+            parts.append(b"connection: close\r\n")
+        parts.append(b"\r\n")
+        self.transport.write(b"".join(parts))
+
+    def _write_whole(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        if self.transport.is_closing():
+            self.sse_request = False
+            return
+        if status != 204 and not any(name == b"content-length" for name, _ in headers):
+            headers = [*headers, (b"content-length", str(len(body)).encode())]
+        self._write_head(status, headers, chunked=False)
+        if body:
+            self.transport.write(body)
+        self._response_done()
+
+    def _write_chunk(self, body: bytes) -> None:
+        self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+
+    def _finish_sse(self, clean: bool) -> None:
+        self.sse = None
+        if self.transport.is_closing():
+            self.sse_request = False
+            return
+        if not clean or not self.sse_chunked:
+            self.sse_keep_alive = False
+        if self.sse_chunked and clean:
+            self.transport.write(_LAST_CHUNK)
+        self._response_done()
+
+    def _response_done(self) -> None:
+        self.sse_request = False
+        if not self.sse_keep_alive:
+            self.transport.close()
+            return
+        self.on_response_complete()
