@@ -9,8 +9,15 @@ import pytest
 from tests.server import ServerProcess
 
 
-@pytest.fixture(scope="session")
-def server() -> Iterator[ServerProcess]:
-    """One ``sluice serve`` for the session, with short heartbeats and grace windows."""
-    with ServerProcess("--heartbeat-interval", "0.3", "--grace", "2", "--retry", "200") as proc:
+@pytest.fixture(scope="session", params=["native-sse", "asgi-sse"])
+def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    """``sluice serve`` with short heartbeats and grace windows, once per SSE delivery path.
+
+    ``native-sse`` is the default (callback-driven protocol); ``asgi-sse`` serves the same
+    endpoints through the plain ASGI app, as any ASGI server would.
+    """
+    options = ["--heartbeat-interval", "0.3", "--grace", "2", "--retry", "200"]
+    if request.param == "asgi-sse":
+        options.append("--no-native-sse")
+    with ServerProcess(*options) as proc:
         yield proc

@@ -56,17 +56,50 @@ class RawResponse:
             yield self._buffer[:size]
             self._buffer = self._buffer[size + 2 :]
 
+    def sized_body(self) -> bytes:
+        """The body of a response with a Content-Length."""
+        length = int(self.header("content-length") or 0)
+        while len(self._buffer) < length:
+            if not self._fill():
+                raise ConnectionError("connection closed inside the body")
+        body, self._buffer = self._buffer[:length], self._buffer[length:]
+        return body
+
+    def next_get(self, target: str, headers: dict[str, str] | None = None) -> RawResponse:
+        """Send another GET on the same (kept-alive) connection."""
+        port = self.sock.getpeername()[1]
+        return _request(self.sock, port, target, headers, self._buffer)
+
     def close(self) -> None:
         self.sock.close()
 
 
-def open_get(port: int, target: str, headers: dict[str, str] | None = None) -> RawResponse:
-    """Send ``GET target`` to 127.0.0.1:port and read the response head."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=_READ_TIMEOUT_S)
+def open_get(
+    port: int,
+    target: str,
+    headers: dict[str, str] | None = None,
+    *,
+    receive_buffer_bytes: int | None = None,
+) -> RawResponse:
+    """Send ``GET target`` to 127.0.0.1:port and read the response head.
+
+    ``receive_buffer_bytes`` shrinks the socket's receive buffer (set before connecting,
+    so the TCP window stays small): a client that stops reading then stalls the server.
+    """
+    sock = socket.socket()
+    sock.settimeout(_READ_TIMEOUT_S)
+    if receive_buffer_bytes is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer_bytes)
+    sock.connect(("127.0.0.1", port))
+    return _request(sock, port, target, headers, b"")
+
+
+def _request(
+    sock: socket.socket, port: int, target: str, headers: dict[str, str] | None, buffer: bytes
+) -> RawResponse:
     lines = [f"GET {target} HTTP/1.1", f"Host: 127.0.0.1:{port}", "Accept: text/event-stream"]
     lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
     sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
-    buffer = b""
     while b"\r\n\r\n" not in buffer:
         chunk = sock.recv(65536)
         if not chunk:

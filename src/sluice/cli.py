@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from collections.abc import Sequence
+from types import FrameType
+
+import uvicorn
 
 from sluice import __version__
 from sluice.errors import ConfigError
@@ -101,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGINT/SIGTERM, how long open streams get before they are closed",
     )
     serve.add_argument(
+        "--native-sse",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve SSE reads with Sluice's callback-driven HTTP protocol; with "
+        "--no-native-sse they go through the ASGI app like every other request, as under "
+        "any ASGI server",
+    )
+    serve.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -128,8 +140,21 @@ def _settings(args: argparse.Namespace) -> Settings:
     )
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, where SIGTERM is a normal stop: drain, then exit 0.
+
+    uvicorn re-raises the signal it shut down for, so the process would die of SIGTERM
+    after draining; a supervisor (systemd, Kubernetes) asked for exactly this stop.
+    """
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM:
+            # uvicorn 0.54 records signals here to re-raise them after shutdown.
+            self._captured_signals.remove(sig)
+
+
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
 
     try:
         settings = _settings(args)
@@ -144,7 +169,7 @@ def serve(args: argparse.Namespace) -> int:
         port=args.port,
         fd=args.fd,
         loop="uvloop",
-        http=SluiceHttpProtocol,
+        http=SluiceHttpProtocol if args.native_sse else "httptools",
         ws="none",
         lifespan="on",
         log_level=args.log_level,
@@ -154,7 +179,7 @@ def serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
     print(f"Sluice {__version__}: page at http://{args.host}:{args.port}/", flush=True)
-    uvicorn.Server(config).run()
+    _Server(config).run()
     return 0
 
 

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sluice.backends.base import GenerationRequest
-from sluice.backends.words import WordsBackend, split_words
+from sluice.backends.words import WordsBackend, count_words, split_words
 from sluice.events import FinishReason, Usage
 
 
@@ -17,7 +17,7 @@ def test_tokens_concatenate_to_the_text_exactly(text: str) -> None:
     tokens = split_words(text)
     assert "".join(tokens) == text
     assert all(tokens)
-    assert len(tokens) == max(len(text.split()), 1 if text else 0)
+    assert len(tokens) == max(len(text.split()), 1 if text else 0) == count_words(text)
 
 
 def test_each_token_is_a_word_with_the_whitespace_before_it() -> None:

@@ -9,33 +9,52 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 from sluice.backends.base import Delta, GenerationRequest
 from sluice.events import FinishReason, Usage
 
-__all__ = ["WordsBackend", "WordsGeneration", "split_words"]
+__all__ = ["WordsBackend", "WordsGeneration", "count_words", "iter_words", "split_words"]
 
 _WORD = re.compile(r"\s*\S+")
 
 
+def iter_words(text: str) -> Iterator[str]:
+    """The tokens of ``text``, lazily: concatenated, they are ``text``."""
+    end = 0
+    pending: str | None = None
+    for match in _WORD.finditer(text):
+        if pending is not None:
+            yield pending
+        pending = match.group()
+        end = match.end()
+    if pending is None:
+        if text:
+            yield text  # whitespace only: one token
+        return
+    yield pending + text[end:]  # trailing whitespace rides on the last word
+
+
 def split_words(text: str) -> list[str]:
     """Split ``text`` into tokens whose concatenation is ``text``."""
-    tokens = _WORD.findall(text)
-    if not tokens:
-        return [text] if text else []
-    consumed = sum(map(len, tokens))
-    if consumed < len(text):
-        tokens[-1] += text[consumed:]
-    return tokens
+    return list(iter_words(text))
+
+
+def count_words(text: str) -> int:
+    """How many tokens :func:`iter_words` gives for ``text``."""
+    count = sum(1 for _ in _WORD.finditer(text))
+    return count if count or not text else 1
 
 
 class WordsGeneration:
-    """One pass over the words of a prompt, paced by ``interval_s``."""
+    """One pass over the words of a prompt, paced by ``interval_s``.
+
+    Words are cut from the prompt as they are sent, so a long, slow stream holds its
+    prompt and an iterator, not a list of every word.
+    """
 
     def __init__(self, request: GenerationRequest) -> None:
         self._request = request
-        self._words = split_words(request.prompt)
         self._num_emitted = 0
         self._aborted = False
 
@@ -47,29 +66,34 @@ class WordsGeneration:
         return self._run()
 
     async def _run(self) -> AsyncIterator[Delta]:
-        words = self._words
-        limit = len(words)
-        max_tokens = self._request.max_tokens
-        if max_tokens is not None:
-            limit = min(limit, max_tokens)
-        interval_s = self._request.interval_s
-        for i in range(limit):
-            if i and interval_s > 0:
-                await asyncio.sleep(interval_s)
+        request = self._request
+        max_tokens = request.max_tokens
+        interval_s = request.interval_s
+        words = iter_words(request.prompt)
+        word = next(words, None)
+        while word is not None:
             if self._aborted:
                 return
+            following = next(words, None)
             self._num_emitted += 1
-            last = i == limit - 1
             reason = None
-            if last:
-                reason = FinishReason.LENGTH if limit < len(words) else FinishReason.STOP
-            yield Delta(words[i], reason)
+            if following is None:
+                reason = FinishReason.STOP
+            elif max_tokens is not None and self._num_emitted >= max_tokens:
+                reason = FinishReason.LENGTH
+            yield Delta(word, reason)
+            if reason is not None:
+                return
+            word = following
+            if interval_s > 0:
+                await asyncio.sleep(interval_s)
 
     async def abort(self) -> None:
         self._aborted = True
 
     def usage(self) -> Usage:
-        return Usage(prompt_tokens=len(self._words), completion_tokens=self._num_emitted)
+        prompt_tokens = count_words(self._request.prompt)
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=self._num_emitted)
 
 
 class WordsBackend:

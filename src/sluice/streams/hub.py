@@ -268,9 +268,11 @@ class StreamHub:
             await self._append(stream, Started(model=stream.model, created=int(stream.created)))
             reason = FinishReason.STOP
             num_deltas = 0
+            append = self._log.append
             async for delta in generation:
                 if delta.text:
-                    await self._append(stream, TextDelta(delta.text))
+                    await append(stream.id, (TextDelta(delta.text),))
+                    stream.num_events += 1
                     stream.num_tokens += 1
                 if delta.finish_reason is not None:
                     reason = delta.finish_reason

@@ -1,0 +1,74 @@
+"""Connection-level behaviour: keep-alive, slow readers, shutdown."""
+
+from __future__ import annotations
+
+import signal
+import time
+from urllib.parse import quote
+
+import httpx
+import orjson
+
+from sluice.sse import Decoder
+from tests.rawhttp import open_get
+from tests.server import ServerProcess
+
+
+def test_connection_is_kept_alive_after_an_sse_response(server: ServerProcess) -> None:
+    first = open_get(server.port, "/v1/demo/words?text=a%20b&interval_ms=0")
+    events = Decoder().feed(b"".join(first.body()))
+    assert events[-1].event == "done"
+    second = first.next_get("/healthz")
+    assert second.status == 200
+    assert orjson.loads(second.sized_body()) == {"status": "ok"}
+    third = second.next_get(f"/v1/streams/{events[-1].id.split(':')[0]}/events", {})
+    events_again = Decoder().feed(b"".join(third.body()))
+    assert events_again == events
+    third.close()
+
+
+def test_a_reader_that_stops_reading_gets_everything_when_it_resumes(
+    server: ServerProcess,
+) -> None:
+    """The log absorbs what the client does not read; nothing is lost or reordered."""
+    words = [f"w{i:06d}" for i in range(20_000)]  # ~1.9 MB of frames: far past the buffers
+    created = httpx.post(
+        f"{server.base_url}/v1/streams", json={"prompt": " ".join(words), "interval_ms": 0}
+    ).json()
+    response = open_get(server.port, created["events_url"], receive_buffer_bytes=4096)
+    # Read nothing while the producer runs to the end: the server's writes back up and it
+    # must stop reading the log rather than buffer the stream.
+    deadline = time.monotonic() + 20
+    while httpx.get(f"{server.base_url}/v1/streams/{created['id']}").json()["state"] != "finished":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)  # polling an observable condition with a deadline
+    decoder = Decoder()
+    events = []
+    for piece in response.body():
+        events.extend(decoder.feed(piece))
+    response.close()
+    texts = [orjson.loads(e.data)["text"] for e in events if e.event == "token"]
+    assert "".join(texts).split() == words
+    assert [e.id for e in events] == [f"{created['id']}:{n}" for n in range(1, len(events) + 1)]
+    assert events[-1].event == "done"
+
+
+def test_sigterm_ends_live_streams_on_an_event_boundary_and_exits_zero() -> None:
+    with ServerProcess("--shutdown-timeout", "5") as proc:
+        response = open_get(
+            proc.port, "/v1/demo/words?text=" + quote("w " * 100) + "&interval_ms=50"
+        )
+        decoder = Decoder()
+        pieces = response.body()
+        tokens = 0
+        while tokens < 3:
+            tokens += sum(e.event == "token" for e in decoder.feed(next(pieces)))
+        assert proc.process is not None
+        started = time.monotonic()
+        proc.process.send_signal(signal.SIGTERM)
+        rest = b"".join(pieces)  # ends with the last chunk, not a reset
+        events = decoder.feed(rest)
+        assert all(e.event == "token" for e in events)  # no terminal: the client resumes
+        assert proc.process.wait(timeout=10) == 0
+        assert time.monotonic() - started < 5
+        response.close()
