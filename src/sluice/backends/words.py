@@ -20,19 +20,23 @@ _WORD = re.compile(r"\s*\S+")
 
 
 def iter_words(text: str) -> Iterator[str]:
-    """The tokens of ``text``, lazily: concatenated, they are ``text``."""
-    end = 0
-    pending: str | None = None
-    for match in _WORD.finditer(text):
-        if pending is not None:
-            yield pending
-        pending = match.group()
-        end = match.end()
-    if pending is None:
+    """The tokens of ``text``, lazily: concatenated, they are ``text``.
+
+    The state between tokens is one position (no regex scanner is kept alive), so a slow
+    stream holds little besides its prompt.
+    """
+    match = _WORD.match(text, 0)
+    if match is None:
         if text:
             yield text  # whitespace only: one token
         return
-    yield pending + text[end:]  # trailing whitespace rides on the last word
+    while True:
+        following = _WORD.match(text, match.end())
+        if following is None:
+            yield text[match.start() :]  # trailing whitespace rides on the last word
+            return
+        yield match.group()
+        match = following
 
 
 def split_words(text: str) -> list[str]:

@@ -15,7 +15,7 @@ Contract:
 - ``read`` and ``last_seq`` are synchronous: a reader reads what this process holds, so a
   connection can be driven by callbacks without a task. (A shared-store log keeps a local
   mirror of the streams being read, fed by one subscription per stream.)
-- ``watch(after_seq, waiter)`` resolves ``waiter`` (a future owned by the caller) as soon as
+- ``watch(after_seq, waiter)`` resolves ``waiter`` (a :class:`Waiter` owned by the caller) as soon as
   a record with ``seq > after_seq`` exists, at once if one already does, or when the log is
   deleted. ``unwatch`` forgets it. Waiters are futures, not tasks: a held idle reader costs
   one future.
@@ -26,14 +26,23 @@ Contract:
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from sluice.events import NeutralEvent
 
-__all__ = ["Batch", "EventLog", "LogLimits"]
+__all__ = ["Batch", "EventLog", "LogLimits", "Waiter"]
+
+
+class Waiter(Protocol):
+    """What a log wakes when records arrive: an asyncio future, or any object with the same
+    two methods (a connection driven by callbacks is its own waiter, so an idle reader
+    holds no future)."""
+
+    def done(self) -> bool: ...
+
+    def set_result(self, result: None, /) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +94,9 @@ class EventLog(Protocol):
 
     def last_seq(self, stream_id: str) -> int: ...
 
-    def watch(self, stream_id: str, after_seq: int, waiter: asyncio.Future[None]) -> None: ...
+    def watch(self, stream_id: str, after_seq: int, waiter: Waiter) -> None: ...
 
-    def unwatch(self, stream_id: str, waiter: asyncio.Future[None]) -> None: ...
+    def unwatch(self, stream_id: str, waiter: Waiter) -> None: ...
 
     async def delete(self, stream_id: str) -> None: ...
 

@@ -7,14 +7,13 @@ Waiters are futures kept in a per-stream list and resolved by the next append.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 
 from sluice.dialects import native
 from sluice.errors import ResumeGapError, StreamNotFoundError
 from sluice.events import NeutralEvent
 from sluice.streams.ids import event_id
-from sluice.streams.log import Batch, LogLimits
+from sluice.streams.log import Batch, LogLimits, Waiter
 
 __all__ = ["MemoryEventLog"]
 
@@ -27,7 +26,7 @@ class _Log:
         self.frames: list[bytes] = []
         self.first_seq = 1  # seq of events[0] (or of the next event, when empty)
         self.num_bytes = 0
-        self.waiters: list[asyncio.Future[None]] = []
+        self.waiters: list[Waiter] = []
 
 
 class MemoryEventLog:
@@ -100,7 +99,7 @@ class MemoryEventLog:
         log = self._get(stream_id)
         return log.first_seq + len(log.frames) - 1
 
-    def watch(self, stream_id: str, after_seq: int, waiter: asyncio.Future[None]) -> None:
+    def watch(self, stream_id: str, after_seq: int, waiter: Waiter) -> None:
         log = self._logs.get(stream_id)
         if log is None or log.first_seq + len(log.frames) - 1 > after_seq:
             if not waiter.done():
@@ -108,7 +107,7 @@ class MemoryEventLog:
             return
         log.waiters.append(waiter)
 
-    def unwatch(self, stream_id: str, waiter: asyncio.Future[None]) -> None:
+    def unwatch(self, stream_id: str, waiter: Waiter) -> None:
         log = self._logs.get(stream_id)
         if log is not None and waiter in log.waiters:
             log.waiters.remove(waiter)
@@ -127,7 +126,7 @@ class MemoryEventLog:
             self._drop(stream_id)
 
 
-def _wake(waiters: list[asyncio.Future[None]]) -> None:
+def _wake(waiters: list[Waiter]) -> None:
     for waiter in waiters:
         if not waiter.done():
             waiter.set_result(None)

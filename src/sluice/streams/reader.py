@@ -7,11 +7,10 @@ reader left (which may cancel the stream or start its grace window).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
 from sluice.events import is_terminal
-from sluice.streams.log import Batch, EventLog
+from sluice.streams.log import Batch, EventLog, Waiter
 
 __all__ = ["Reader"]
 
@@ -43,7 +42,7 @@ class Reader:
         self.after_seq = after_seq
         self.done = False  # the terminal event has been read
         self.interrupted = False  # the server asked this connection to drop (clients resume)
-        self._waiter: asyncio.Future[None] | None = None
+        self._waiter: Waiter | None = None
         self._on_close = on_close
         self._closed = False
 
@@ -56,12 +55,12 @@ class Reader:
                 self.done = True
         return batch
 
-    def watch(self, waiter: asyncio.Future[None]) -> None:
+    def watch(self, waiter: Waiter) -> None:
         """Resolve ``waiter`` when a record after the reader's position exists."""
         self._waiter = waiter
         self._log.watch(self.stream_id, self.after_seq, waiter)
 
-    def unwatch(self, waiter: asyncio.Future[None]) -> None:
+    def unwatch(self, waiter: Waiter) -> None:
         self._waiter = None
         self._log.unwatch(self.stream_id, waiter)
 

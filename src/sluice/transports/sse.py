@@ -93,7 +93,7 @@ class SSEConnection:
         "_loop",
         "_options",
         "_paused",
-        "_waiter",
+        "_watching",
         "_write",
         "closed",
         "reader",
@@ -112,7 +112,7 @@ class SSEConnection:
         self._write = write
         self._finish = finish
         self._loop = asyncio.get_running_loop()
-        self._waiter: asyncio.Future[None] | None = None
+        self._watching = False  # registered with the log as its waiter
         self._heartbeat: asyncio.TimerHandle | None = None
         self._last_write = 0.0
         self._paused = False
@@ -128,6 +128,8 @@ class SSEConnection:
         self._pump()
 
     def _pump(self) -> None:
+        if self._watching:
+            return
         reader = self.reader
         max_records = self._options.max_batch_records
         while not self.closed and not self._paused:
@@ -136,10 +138,8 @@ class SSEConnection:
                 return
             body = _next_body(reader, max_records)
             if body is None:
-                waiter = self._loop.create_future()
-                waiter.add_done_callback(self._on_ready)
-                self._waiter = waiter
-                reader.watch(waiter)
+                self._watching = True
+                reader.watch(self)
                 return
             if body:
                 self._write(body)
@@ -148,10 +148,17 @@ class SSEConnection:
                 self._end(clean=True)
                 return
 
-    def _on_ready(self, waiter: asyncio.Future[None]) -> None:
-        if self._waiter is waiter:
-            self._waiter = None
-            self._pump()
+    # The log's Waiter protocol: the connection is its own waiter, so an idle stream holds
+    # no future. The pump runs on the next loop turn, after the producer's append, so
+    # everything appended in the meantime goes out in one write.
+
+    def done(self) -> bool:
+        return not self._watching
+
+    def set_result(self, result: None, /) -> None:
+        if self._watching:
+            self._watching = False
+            self._loop.call_soon(self._pump)
 
     def _on_heartbeat(self) -> None:
         if self.closed:
@@ -170,7 +177,7 @@ class SSEConnection:
 
     def resume_writing(self) -> None:
         self._paused = False
-        if self._waiter is None and not self.closed:
+        if not self.closed:
             self._pump()
 
     def interrupt(self) -> None:
@@ -194,10 +201,9 @@ class SSEConnection:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             self._heartbeat = None
-        if self._waiter is not None:
-            self.reader.unwatch(self._waiter)
-            self._waiter.cancel()
-            self._waiter = None
+        if self._watching:
+            self._watching = False
+            self.reader.unwatch(self)
         self.reader.close()
 
 
