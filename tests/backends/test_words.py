@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from sluice.backends.base import GenerationRequest
 from sluice.backends.words import WordsBackend, count_words, split_words
-from sluice.events import FinishReason, Usage
+from sluice.events import FinishReason, TextDelta, ToolCallDelta, Usage
 
 
 @given(st.text())
@@ -29,22 +29,37 @@ def test_each_token_is_a_word_with_the_whitespace_before_it() -> None:
 def collect(prompt: str, **kwargs: float | int | None) -> tuple[list[tuple[str, object]], Usage]:
     async def run() -> tuple[list[tuple[str, object]], Usage]:
         generation = WordsBackend().generate(GenerationRequest(prompt, **kwargs))  # type: ignore[arg-type]
-        deltas = [(d.text, d.finish_reason) async for d in generation]
+        deltas = [
+            ("".join(e.text for e in d.events), d.finish_reason)  # type: ignore[union-attr]
+            async for d in generation
+        ]
         return deltas, generation.usage()
 
     return asyncio.run(run())
 
 
-def test_generation_yields_one_delta_per_word_and_stop_on_the_last() -> None:
-    deltas, usage = collect("a b c")
+def test_paced_generation_yields_one_word_per_delta_and_stop_on_the_last() -> None:
+    deltas, usage = collect("a b c", interval_s=0.001)
     assert deltas == [("a", None), (" b", None), (" c", FinishReason.STOP)]
     assert usage == Usage(prompt_tokens=3, completion_tokens=3)
 
 
+def test_unpaced_generation_bursts_words_one_event_each() -> None:
+    async def run() -> list[list[TextDelta | ToolCallDelta]]:
+        generation = WordsBackend().generate(GenerationRequest("w " * 150))
+        return [list(d.events) async for d in generation]
+
+    bursts = asyncio.run(run())
+    assert [len(b) for b in bursts] == [64, 64, 22]
+    assert all(isinstance(e, TextDelta) and e.text.strip() == "w" for b in bursts for e in b)
+
+
 def test_max_tokens_cuts_with_length() -> None:
-    deltas, usage = collect("a b c", max_tokens=2)
-    assert deltas == [("a", None), (" b", FinishReason.LENGTH)]
-    assert usage == Usage(prompt_tokens=3, completion_tokens=2)
+    for interval_s in (0.0, 0.001):
+        deltas, usage = collect("a b c", max_tokens=2, interval_s=interval_s)
+        assert "".join(text for text, _ in deltas) == "a b"
+        assert deltas[-1][1] is FinishReason.LENGTH
+        assert usage == Usage(prompt_tokens=3, completion_tokens=2)
 
 
 def test_abort_stops_emitting() -> None:
@@ -52,7 +67,7 @@ def test_abort_stops_emitting() -> None:
         generation = WordsBackend().generate(GenerationRequest("a b c d", interval_s=0.001))
         seen = []
         async for delta in generation:
-            seen.append(delta.text)
+            seen.extend(e.text for e in delta.events)  # type: ignore[union-attr]
             if len(seen) == 2:
                 await generation.abort()
         return seen, generation.usage()

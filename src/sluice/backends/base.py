@@ -2,7 +2,10 @@
 
 A :class:`Backend` serves one model name. ``generate(request)`` returns a
 :class:`Generation` at once (nothing is computed yet); iterating it yields :class:`Delta`
-values as the model produces them. ``abort()`` stops the work and frees what it holds (the
+values as the model produces them. A delta holds everything produced since the consumer
+last asked: usually one token, several when the consumer was busy or the source produces
+in bursts (an upstream read, a replayed text), so per-delta costs are paid per burst, not
+per token. A generation that never suspends yields the loop now and then itself. ``abort()`` stops the work and frees what it holds (the
 engine frees KV blocks, a proxy closes its upstream connection); it is idempotent and safe
 in every state, including before the first delta and after the last. ``usage()`` reports
 the token counts of what was generated so far, also after an abort.
@@ -10,11 +13,11 @@ the token counts of what was generated so far, also after an abort.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from sluice.events import FinishReason, Usage
+from sluice.events import FinishReason, TextDelta, ToolCallDelta, Usage
 
 __all__ = ["Backend", "Delta", "Generation", "GenerationRequest"]
 
@@ -31,9 +34,10 @@ class GenerationRequest:
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """Newly generated text; ``finish_reason`` is set on the last delta when known."""
+    """Newly generated content, one event per token; ``finish_reason`` is set on the last
+    delta when the backend knows why the generation ended."""
 
-    text: str
+    events: Sequence[TextDelta | ToolCallDelta] = ()
     finish_reason: FinishReason | None = None
 
 

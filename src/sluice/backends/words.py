@@ -12,11 +12,14 @@ import re
 from collections.abc import AsyncIterator, Iterator
 
 from sluice.backends.base import Delta, GenerationRequest
-from sluice.events import FinishReason, Usage
+from sluice.events import FinishReason, TextDelta, Usage
 
 __all__ = ["WordsBackend", "WordsGeneration", "count_words", "iter_words", "split_words"]
 
 _WORD = re.compile(r"\s*\S+")
+# Words per delta when unpaced: each goes out as its own event, but the hub appends and
+# wakes readers once per burst.
+_UNPACED_BURST = 64
 
 
 def iter_words(text: str) -> Iterator[str]:
@@ -61,6 +64,7 @@ class WordsGeneration:
         self._request = request
         self._num_emitted = 0
         self._aborted = False
+        self._finished = False  # every word of the prompt was sent
 
     @property
     def num_emitted(self) -> int:
@@ -73,30 +77,36 @@ class WordsGeneration:
         request = self._request
         max_tokens = request.max_tokens
         interval_s = request.interval_s
+        # Paced: one word per delta. Unpaced: bursts of words, yielding the loop between.
+        burst = 1 if interval_s > 0 else _UNPACED_BURST
         words = iter_words(request.prompt)
         word = next(words, None)
-        while word is not None:
-            if self._aborted:
-                return
-            following = next(words, None)
-            self._num_emitted += 1
+        while word is not None and not self._aborted:
+            events: list[TextDelta] = []
             reason = None
-            if following is None:
-                reason = FinishReason.STOP
-            elif max_tokens is not None and self._num_emitted >= max_tokens:
-                reason = FinishReason.LENGTH
-            yield Delta(word, reason)
-            if reason is not None:
-                return
-            word = following
-            if interval_s > 0:
+            while word is not None and len(events) < burst:
+                following = next(words, None)
+                events.append(TextDelta(word))
+                self._num_emitted += 1
+                if following is None:
+                    reason = FinishReason.STOP
+                    self._finished = True
+                elif max_tokens is not None and self._num_emitted >= max_tokens:
+                    reason = FinishReason.LENGTH
+                    following = None
+                word = following
+            yield Delta(events, reason)
+            if word is not None:
                 await asyncio.sleep(interval_s)
 
     async def abort(self) -> None:
         self._aborted = True
 
     def usage(self) -> Usage:
-        prompt_tokens = count_words(self._request.prompt)
+        if self._finished:
+            prompt_tokens = self._num_emitted  # every word was sent: no need to count again
+        else:
+            prompt_tokens = count_words(self._request.prompt)
         return Usage(prompt_tokens=prompt_tokens, completion_tokens=self._num_emitted)
 
 

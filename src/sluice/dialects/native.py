@@ -93,6 +93,9 @@ def render(event: NeutralEvent) -> tuple[str, str]:
 
 def frame(event: NeutralEvent, event_id: str) -> bytes:
     """The complete SSE frame of ``event`` with SSE id ``event_id``."""
+    if type(event) is TextDelta:  # the hot path: one per token
+        data = orjson.dumps({"text": event.text}).decode()
+        return encode_event(data, event="token", id=event_id)
     name, data = render(event)
     return encode_event(data, event=name, id=event_id)
 

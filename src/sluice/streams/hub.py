@@ -31,7 +31,7 @@ from sluice.errors import (
     StreamNotFoundError,
     UnknownModelError,
 )
-from sluice.events import Error, Finished, FinishReason, NeutralEvent, Started, TextDelta
+from sluice.events import Error, Finished, FinishReason, NeutralEvent, Started
 from sluice.streams.ids import new_stream_id
 from sluice.streams.log import EventLog
 from sluice.streams.reader import Reader
@@ -41,9 +41,9 @@ __all__ = ["HubSettings", "Stream", "StreamHub"]
 
 logger = logging.getLogger("sluice.streams")
 
-# A producer whose backend never suspends (the words backend at zero interval) yields the
-# loop after this many deltas, so readers and other producers get their turn.
-_YIELD_EVERY_DELTAS = 64
+# A producer whose backend never suspends yields the loop after this many deltas anyway,
+# so readers and other producers get their turn.
+_YIELD_EVERY_DELTAS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,9 +221,10 @@ class StreamHub:
     def drop_connections(self, stream_id: str) -> int:
         """End every connection reading the stream (they resume); return how many."""
         stream = self.get(stream_id)
-        for reader in stream.readers:
+        readers = list(stream.readers)  # an interrupted reader may close, and leave, at once
+        for reader in readers:
             reader.interrupt()
-        return len(stream.readers)
+        return len(readers)
 
     def _reader_left(self, reader: Reader) -> None:
         stream = self._streams.get(reader.stream_id)
@@ -270,10 +271,11 @@ class StreamHub:
             num_deltas = 0
             append = self._log.append
             async for delta in generation:
-                if delta.text:
-                    await append(stream.id, (TextDelta(delta.text),))
-                    stream.num_events += 1
-                    stream.num_tokens += 1
+                events = delta.events
+                if events:
+                    await append(stream.id, events)
+                    stream.num_events += len(events)
+                    stream.num_tokens += len(events)
                 if delta.finish_reason is not None:
                     reason = delta.finish_reason
                 num_deltas += 1

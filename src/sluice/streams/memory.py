@@ -68,7 +68,7 @@ class MemoryEventLog:
         if len(frames) > self._limits.max_records or log.num_bytes > self._limits.max_bytes:
             self._trim(log)
         if log.waiters:
-            _wake(log.waiters)
+            self._wake(log)
         return seq - 1
 
     def _trim(self, log: _Log) -> None:
@@ -119,15 +119,17 @@ class MemoryEventLog:
         log = self._logs.pop(stream_id, None)
         if log is None:
             return
-        _wake(log.waiters)
+        self._wake(log)
 
     async def aclose(self) -> None:
         for stream_id in list(self._logs):
             self._drop(stream_id)
 
-
-def _wake(waiters: list[Waiter]) -> None:
-    for waiter in waiters:
-        if not waiter.done():
-            waiter.set_result(None)
-    waiters.clear()
+    @staticmethod
+    def _wake(log: _Log) -> None:
+        # Swap the list first: a waiter may watch again from inside ``set_result`` (a
+        # connection that writes at once and then waits for more).
+        waiters, log.waiters = log.waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)

@@ -149,8 +149,9 @@ class SSEConnection:
                 return
 
     # The log's Waiter protocol: the connection is its own waiter, so an idle stream holds
-    # no future. The pump runs on the next loop turn, after the producer's append, so
-    # everything appended in the meantime goes out in one write.
+    # no future. It writes at once, inside the producer's append: a token reaches the
+    # socket in the same loop pass it was produced in, and a burst appended together goes
+    # out in one write.
 
     def done(self) -> bool:
         return not self._watching
@@ -158,7 +159,7 @@ class SSEConnection:
     def set_result(self, result: None, /) -> None:
         if self._watching:
             self._watching = False
-            self._loop.call_soon(self._pump)
+            self._pump()
 
     def _on_heartbeat(self) -> None:
         if self.closed:

@@ -1,0 +1,197 @@
+"""Server processes for the SSE benchmark: ours and the sse-starlette baseline.
+
+Each server is one child process on 127.0.0.1 and a free port, with its output in a log
+file. ``ServerProcess`` starts it, waits (bounded) until it answers HTTP, and always stops
+it: SIGTERM, then SIGKILL after a bounded wait. Children inherit this process's
+RLIMIT_NOFILE, so raise it (``ssebench.raise_nofile()``) before starting any.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+__all__ = [
+    "BENCH_DIR",
+    "ServerProcess",
+    "baseline_command",
+    "free_port",
+    "ours_command",
+    "scan_log",
+    "tick_command",
+]
+
+BENCH_DIR = Path(__file__).resolve().parent
+HOST = "127.0.0.1"
+# uvicorn options of the ssebench peers (its README, "Starting a peer by hand").
+_UVICORN_OPTIONS = (
+    "--loop uvloop --http httptools --workers 1 --backlog 4096 --no-access-log --log-level warning"
+)
+# Lines in a server's log that mean it misbehaved.
+_TROUBLE = re.compile(r"Traceback|Exception|Error|ERROR|CRITICAL|WARNING|Killed|exceeded")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def ours_command(port: int, *options: str) -> list[str]:
+    """``sluice serve`` exactly as a user runs it."""
+    return [
+        sys.executable,
+        "-m",
+        "sluice.cli",
+        "serve",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *options,
+    ]
+
+
+def tick_command(port: int, *options: str) -> list[str]:
+    """``sluice serve`` with the timestamping backend (see ``tick_server.py``)."""
+    return [
+        sys.executable,
+        str(BENCH_DIR / "tick_server.py"),
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *options,
+    ]
+
+
+def baseline_command(ssebench_dir: Path, port: int) -> list[str]:
+    """The ssebench sse-starlette peer with the runner's uvicorn flags."""
+    return [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--app-dir",
+        str(ssebench_dir / "peers"),
+        "asgi_apps:sse_app",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        *_UVICORN_OPTIONS.split(),
+    ]
+
+
+def _answers(port: int, path: str) -> bool:
+    conn = http.client.HTTPConnection(HOST, port, timeout=1.0)
+    try:
+        conn.request("GET", path)
+        return conn.getresponse().status == 200
+    except OSError:
+        return False
+    finally:
+        conn.close()
+
+
+def scan_log(path: Path, limit: int = 20) -> list[str]:
+    """The lines of a server log that look like trouble (at most ``limit``)."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return [line for line in lines if _TROUBLE.search(line)][:limit]
+
+
+class ServerProcess:
+    """One server child process; use as a context manager."""
+
+    def __init__(
+        self,
+        name: str,
+        command: list[str],
+        port: int,
+        health_path: str,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self.command = command
+        self.port = port
+        self.health_path = health_path
+        self.log_path = log_path
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.process: subprocess.Popen[bytes] | None = None
+        self.exit_note = ""
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def start(self, ready_timeout: float = 20.0) -> ServerProcess:
+        with self.log_path.open("ab") as log:
+            log.write(f"$ {' '.join(self.command)}\n".encode())
+            log.flush()
+            self.process = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=BENCH_DIR
+            )
+        deadline = time.monotonic() + ready_timeout
+        while not _answers(self.port, self.health_path):
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.process.returncode}; see {self.log_path}"
+                )
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(
+                    f"{self.name} not ready in {ready_timeout} s; see {self.log_path}"
+                )
+            time.sleep(0.1)
+        return self
+
+    def nofile_limit(self) -> str:
+        """The server's own soft RLIMIT_NOFILE, from /proc."""
+        try:
+            for line in Path(f"/proc/{self.pid}/limits").read_text().splitlines():
+                if line.startswith("Max open files"):
+                    return line.split()[3]
+        except OSError:
+            pass
+        return "?"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout`` s; records how it ended."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        if process.poll() is not None:
+            self.exit_note = f"had exited by itself with {process.returncode}"
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+            self.exit_note = f"did not stop within {timeout} s of SIGTERM: killed"
+            return
+        if process.returncode not in (0, -signal.SIGTERM):
+            self.exit_note = f"exited with {process.returncode} after SIGTERM"
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
