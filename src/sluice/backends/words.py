@@ -103,10 +103,8 @@ class WordsGeneration:
         self._aborted = True
 
     def usage(self) -> Usage:
-        if self._finished:
-            prompt_tokens = self._num_emitted  # every word was sent: no need to count again
-        else:
-            prompt_tokens = count_words(self._request.prompt)
+        # When every word was sent, the prompt's count is known without counting again.
+        prompt_tokens = self._num_emitted if self._finished else count_words(self._request.prompt)
         return Usage(prompt_tokens=prompt_tokens, completion_tokens=self._num_emitted)
 
 
