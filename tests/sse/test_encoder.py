@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sluice.errors import SSEEncodeError
-from sluice.sse import encode_comment, encode_event, encode_retry
+from sluice.sse import EventEncoder, encode_comment, encode_event, encode_retry
 
 # --- encode_event ------------------------------------------------------------------------
 
@@ -154,3 +156,28 @@ def test_encode_retry_rejects_negative() -> None:
 def test_encode_retry_rejects_non_int(bad: object) -> None:
     with pytest.raises(SSEEncodeError, match="must be an int"):
         encode_retry(bad)  # type: ignore[arg-type]
+
+
+# --- EventEncoder: encode_event for one event type, checked once --------------------------
+
+
+@given(data=st.text(), id=st.text().filter(lambda s: not any(c in s for c in "\r\n\0")))
+def test_event_encoder_equals_encode_event(data: str, id: str) -> None:
+    try:
+        expected = encode_event(data, event="token", id=id)
+    except SSEEncodeError:
+        with pytest.raises(SSEEncodeError):
+            EventEncoder("token")(data, id)
+        return
+    assert EventEncoder("token")(data, id) == expected
+
+
+@pytest.mark.parametrize("bad_id", ["a\nb", "a\rb", "a\0b"])
+def test_event_encoder_refuses_bad_ids(bad_id: str) -> None:
+    with pytest.raises(SSEEncodeError, match="id"):
+        EventEncoder("token")("data", bad_id)
+
+
+def test_event_encoder_refuses_a_bad_type_once() -> None:
+    with pytest.raises(SSEEncodeError, match="event type"):
+        EventEncoder("to\nken")

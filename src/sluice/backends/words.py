@@ -10,36 +10,54 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import AsyncIterator, Iterator
+from itertools import islice
 
 from sluice.backends.base import Delta, GenerationRequest
 from sluice.events import FinishReason, TextDelta, Usage
 
-__all__ = ["WordsBackend", "WordsGeneration", "count_words", "iter_words", "split_words"]
+__all__ = [
+    "WordsBackend",
+    "WordsGeneration",
+    "count_words",
+    "cut_words",
+    "iter_words",
+    "split_words",
+]
 
 _WORD = re.compile(r"\s*\S+")
+_NON_SPACE = re.compile(r"\S")
 # Words per delta when unpaced: each goes out as its own event, but the hub appends and
 # wakes readers once per burst.
 _UNPACED_BURST = 64
 
 
-def iter_words(text: str) -> Iterator[str]:
-    """The tokens of ``text``, lazily: concatenated, they are ``text``.
+def cut_words(text: str, pos: int, limit: int) -> tuple[list[str], int]:
+    """Up to ``limit`` tokens of ``text`` from ``pos``, and the position after them.
 
-    The state between tokens is one position (no regex scanner is kept alive), so a slow
-    stream holds little besides its prompt.
+    The last token of the text carries the trailing whitespace, and the position is then
+    ``len(text)``. Only positions are kept between calls: no regex scanner stays alive, so
+    a slow stream holds little besides its prompt.
     """
-    match = _WORD.match(text, 0)
-    if match is None:
-        if text:
-            yield text  # whitespace only: one token
-        return
-    while True:
-        following = _WORD.match(text, match.end())
-        if following is None:
-            yield text[match.start() :]  # trailing whitespace rides on the last word
-            return
-        yield match.group()
-        match = following
+    tokens: list[str] = []
+    end = pos
+    for match in islice(_WORD.finditer(text, pos), limit):
+        tokens.append(match.group())
+        end = match.end()
+    if _NON_SPACE.search(text, end) is None:  # only whitespace (or nothing) is left
+        if tokens:
+            tokens[-1] += text[end:]
+        elif end < len(text):
+            tokens.append(text[end:])  # a text of whitespace only: one token
+        end = len(text)
+    return tokens, end
+
+
+def iter_words(text: str) -> Iterator[str]:
+    """The tokens of ``text``, lazily: concatenated, they are ``text``."""
+    pos = 0
+    while pos < len(text):
+        tokens, pos = cut_words(text, pos, _UNPACED_BURST)
+        yield from tokens
 
 
 def split_words(text: str) -> list[str]:
@@ -75,29 +93,26 @@ class WordsGeneration:
 
     async def _run(self) -> AsyncIterator[Delta]:
         request = self._request
+        text = request.prompt
         max_tokens = request.max_tokens
         interval_s = request.interval_s
         # Paced: one word per delta. Unpaced: bursts of words, yielding the loop between.
         burst = 1 if interval_s > 0 else _UNPACED_BURST
-        words = iter_words(request.prompt)
-        word = next(words, None)
-        while word is not None and not self._aborted:
-            events: list[TextDelta] = []
+        pos = 0
+        while pos < len(text) and not self._aborted:
+            limit = burst if max_tokens is None else min(burst, max_tokens - self._num_emitted)
+            tokens, pos = cut_words(text, pos, limit)
+            self._num_emitted += len(tokens)
             reason = None
-            while word is not None and len(events) < burst:
-                following = next(words, None)
-                events.append(TextDelta(word))
-                self._num_emitted += 1
-                if following is None:
-                    reason = FinishReason.STOP
-                    self._finished = True
-                elif max_tokens is not None and self._num_emitted >= max_tokens:
-                    reason = FinishReason.LENGTH
-                    following = None
-                word = following
-            yield Delta(events, reason)
-            if word is not None:
-                await asyncio.sleep(interval_s)
+            if pos >= len(text):
+                reason = FinishReason.STOP
+                self._finished = True
+            elif max_tokens is not None and self._num_emitted >= max_tokens:
+                reason = FinishReason.LENGTH
+            yield Delta(list(map(TextDelta, tokens)), reason)
+            if reason is not None:
+                return
+            await asyncio.sleep(interval_s)
 
     async def abort(self) -> None:
         self._aborted = True

@@ -31,9 +31,11 @@ from sluice.events import (
     ToolCallDelta,
     Usage,
 )
-from sluice.sse import encode_event
+from sluice.sse import EventEncoder, encode_event
 
 __all__ = ["error_frame", "frame", "render"]
+
+_encode_token = EventEncoder("token")
 
 
 def _token(event: TextDelta) -> tuple[str, str]:
@@ -94,8 +96,7 @@ def render(event: NeutralEvent) -> tuple[str, str]:
 def frame(event: NeutralEvent, event_id: str) -> bytes:
     """The complete SSE frame of ``event`` with SSE id ``event_id``."""
     if type(event) is TextDelta:  # the hot path: one per token
-        data = orjson.dumps({"text": event.text}).decode()
-        return encode_event(data, event="token", id=event_id)
+        return _encode_token(orjson.dumps({"text": event.text}).decode(), event_id)
     name, data = render(event)
     return encode_event(data, event=name, id=event_id)
 

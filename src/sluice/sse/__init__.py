@@ -13,7 +13,7 @@ from sluice.sse.decoder import (
     MAX_RETRY_MS,
     Decoder,
 )
-from sluice.sse.encoder import encode_comment, encode_event, encode_retry
+from sluice.sse.encoder import EventEncoder, encode_comment, encode_event, encode_retry
 from sluice.sse.event import Event
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "MAX_RETRY_MS",
     "Decoder",
     "Event",
+    "EventEncoder",
     "encode_comment",
     "encode_event",
     "encode_retry",

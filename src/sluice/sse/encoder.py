@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from sluice.errors import SSEEncodeError
 
-__all__ = ["encode_comment", "encode_event", "encode_retry"]
+__all__ = ["EventEncoder", "encode_comment", "encode_event", "encode_retry"]
 
 
 def _normalise_line_ends(text: str) -> str:
@@ -86,6 +86,30 @@ def encode_event(data: str, *, event: str | None = None, id: str | None = None) 
         return frame.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise SSEEncodeError(f"SSE event is not encodable as UTF-8: {exc.reason}") from exc
+
+
+class EventEncoder:
+    """:func:`encode_event` for many events of one type, checked once (the token hot path).
+
+    ``EventEncoder("token")(data, id)`` returns exactly
+    ``encode_event(data, event="token", id=id)``; only ``data`` and ``id`` are checked per
+    call, since the type cannot change.
+    """
+
+    __slots__ = ("_event",)
+
+    def __init__(self, event: str) -> None:
+        _check_event(event)
+        self._event = event
+
+    def __call__(self, data: str, id: str) -> bytes:
+        if "\n" in data or "\r" in data:
+            return encode_event(data, event=self._event, id=id)
+        _check_id(id)
+        try:
+            return f"id: {id}\nevent: {self._event}\ndata: {data}\n\n".encode()
+        except UnicodeEncodeError as exc:
+            raise SSEEncodeError(f"SSE event is not encodable as UTF-8: {exc.reason}") from exc
 
 
 def encode_comment(text: str = "") -> bytes:
