@@ -609,6 +609,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "lifetime in s (default 150)",
     )
     ap.add_argument(
+        "--lat-streams",
+        type=int,
+        default=None,
+        help="streams in the latency test (default 1000, the issue's figure)",
+    )
+    ap.add_argument(
         "--json",
         type=Path,
         default=None,
@@ -630,6 +636,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg.reps = args.reps
     if args.idle_words is not None:
         cfg.idle_words = args.idle_words
+    if args.lat_streams is not None:
+        cfg.lat_streams = args.lat_streams
     ssebench_dir = args.ssebench_dir.resolve()
     ssebench = load_ssebench(ssebench_dir)
     nofile = ssebench.raise_nofile()  # the servers inherit it
