@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import time
 from urllib.parse import quote
 
@@ -72,3 +73,18 @@ def test_sigterm_ends_live_streams_on_an_event_boundary_and_exits_zero() -> None
         assert proc.process.wait(timeout=10) == 0
         assert time.monotonic() - started < 5
         response.close()
+
+
+def test_http_1_0_client_gets_an_unchunked_body_ended_by_close() -> None:
+    """HTTP/1.0 has no chunked encoding (the native path; uvicorn's ASGI path chunks)."""
+    with ServerProcess() as server, socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.settimeout(10)
+        sock.sendall(b"GET /v1/demo/words?text=a%20b&interval_ms=0 HTTP/1.0\r\n\r\n")
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    assert b"transfer-encoding" not in head.lower()
+    events = Decoder().feed(body)
+    assert [e.event for e in events] == ["start", "token", "token", "usage", "done"]

@@ -80,7 +80,14 @@ class SluiceHttpProtocol(HttpToolsProtocol):
     """uvicorn's HTTP/1.1 protocol with callback-driven SSE reads."""
 
     # Slots keep the per-connection instance dict of the base class from growing.
-    __slots__ = ("sse", "sse_chunked", "sse_keep_alive", "sse_request", "sse_streams")
+    __slots__ = (
+        "sse",
+        "sse_chunked",
+        "sse_closing",
+        "sse_keep_alive",
+        "sse_request",
+        "sse_streams",
+    )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -89,6 +96,7 @@ class SluiceHttpProtocol(HttpToolsProtocol):
         self.sse_request = False  # the current request is an SSE read served here
         self.sse_keep_alive = False
         self.sse_chunked = True
+        self.sse_closing = False  # the server is shutting down
         self.pipeline = _Pipeline()  # type: ignore[assignment]
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -123,7 +131,9 @@ class SluiceHttpProtocol(HttpToolsProtocol):
         self.scope["query_string"] = parsed.query or b""
         self.cycle = None  # type: ignore[assignment]
         self.sse_request = True
-        self.sse_keep_alive = http_version != "1.0" and self.parser.should_keep_alive()
+        self.sse_keep_alive = (
+            http_version != "1.0" and self.parser.should_keep_alive() and not self.sse_closing
+        )
         self.sse_chunked = http_version != "1.0"
         scope: Scope = cast(Scope, self.scope)
         task = self.loop.create_task(self._open_sse(streams, scope))
@@ -158,12 +168,14 @@ class SluiceHttpProtocol(HttpToolsProtocol):
             self.sse.resume_writing()
 
     def shutdown(self) -> None:
+        self.sse_closing = True
         if not self.sse_request:
             super().shutdown()
             return
         self.sse_keep_alive = False
         if self.sse is not None:
             self.sse.interrupt()  # ends on an event boundary, then closes
+        # else: the stream is still opening; it is interrupted as soon as it starts
 
     # ------------------------------------------------------------------ the SSE response
 
@@ -192,6 +204,8 @@ class SluiceHttpProtocol(HttpToolsProtocol):
         self.headers = None  # type: ignore[assignment]
         self.url = b""
         self.sse.start()
+        if self.sse_closing and self.sse is not None:
+            self.sse.interrupt()
 
     def _write_head(
         self, status: int, headers: list[tuple[bytes, bytes]], *, chunked: bool
