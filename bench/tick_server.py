@@ -12,7 +12,7 @@ The launcher runs the real ``sluice serve`` command (same options, same ``uvicor
 with one change: the app is built with the tick backend registered under the model name
 ``words``. So ``GET /v1/demo/words?text=tick&interval_ms=20`` runs our real SSE path
 (hub, producer task, event log with ids, native JSON encoding at append,
-``sluice.transports.sse.send_event_stream``) with 50 timestamped ``token`` events per
+``sluice.transports.sse.SSEConnection``) with 50 timestamped ``token`` events per
 second, and one URL per stream is all a load generator needs.
 
 Run: ``python bench/tick_server.py --port 8001 --log-level warning [sluice serve options]``
@@ -21,7 +21,6 @@ Run: ``python bench/tick_server.py --port 8001 --log-level warning [sluice serve
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -37,16 +36,11 @@ __all__ = ["TickBackend", "TickGeneration", "main"]
 _now_ns = time.monotonic_ns
 # Used when a request asks for no pacing (interval 0): 50 ticks per second.
 _DEFAULT_PERIOD_NS = 20_000_000
-# The Delta API is changing from ``Delta(text)`` to ``Delta(events=[TextDelta(text), ...])``;
-# support both so the benchmark runs on either side of that change (drop the old one later).
-_DELTA_HAS_EVENTS = "events" in {f.name for f in dataclasses.fields(Delta)}
 
 
 def _delta(text: str, reason: FinishReason | None) -> Delta:
     """One token of ``text`` as a :class:`Delta`."""
-    if _DELTA_HAS_EVENTS:
-        return Delta(events=(TextDelta(text),), finish_reason=reason)  # type: ignore[call-arg]
-    return Delta(text, reason)  # type: ignore[arg-type]
+    return Delta(events=(TextDelta(text),), finish_reason=reason)
 
 
 class TickGeneration:

@@ -29,6 +29,8 @@ _NON_SPACE = re.compile(r"\S")
 # Words per delta when unpaced: each goes out as its own event, but the hub appends and
 # wakes readers once per burst.
 _UNPACED_BURST = 64
+# Below this many words per cut, repeated matches are cheaper than a scanner.
+_SCANNER_MIN_WORDS = 8
 
 
 def cut_words(text: str, pos: int, limit: int) -> tuple[list[str], int]:
@@ -40,9 +42,14 @@ def cut_words(text: str, pos: int, limit: int) -> tuple[list[str], int]:
     """
     tokens: list[str] = []
     end = pos
-    for match in islice(_WORD.finditer(text, pos), limit):
-        tokens.append(match.group())
-        end = match.end()
+    if limit < _SCANNER_MIN_WORDS:  # a scanner costs more to set up than a few matches
+        while len(tokens) < limit and (match := _WORD.match(text, end)) is not None:
+            tokens.append(match.group())
+            end = match.end()
+    else:
+        for match in islice(_WORD.finditer(text, pos), limit):
+            tokens.append(match.group())
+            end = match.end()
     if _NON_SPACE.search(text, end) is None:  # only whitespace (or nothing) is left
         if tokens:
             tokens[-1] += text[end:]
