@@ -85,6 +85,8 @@ class WordsGeneration:
     prompt and an iterator, not a list of every word.
     """
 
+    __slots__ = ("_aborted", "_finished", "_num_emitted", "_request")
+
     def __init__(self, request: GenerationRequest) -> None:
         self._request = request
         self._num_emitted = 0
