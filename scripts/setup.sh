@@ -7,20 +7,25 @@ cd "$(dirname "$0")/.."
 want_test=0
 [[ "${1:-}" == "--test" ]] && want_test=1
 
-packages=()
-python3 -c 'import ensurepip, venv' 2>/dev/null || packages+=(python3-venv)
-if ((want_test)) && [[ ! -x /usr/bin/chromium ]]; then
-    packages+=(chromium)
-fi
-if ((${#packages[@]})); then
-    sudo=""
+apt_install() {
+    local sudo=""
     [[ "$(id -u)" -ne 0 ]] && sudo="sudo"
-    echo "setup: installing Debian packages: ${packages[*]}"
+    echo "setup: installing Debian packages: $*"
     $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${packages[@]}" >/dev/null
-fi
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$@" >/dev/null
+}
 
-[[ -x .venv/bin/python ]] || python3 -m venv .venv
+if ((want_test)) && [[ ! -x /usr/bin/chromium ]]; then
+    apt_install chromium
+fi
+if [[ ! -x .venv/bin/python ]]; then
+    # Debian ships venv's pip bootstrap separately (python3-venv).
+    if ! python3 -m venv .venv >/dev/null 2>&1; then
+        rm -rf .venv
+        apt_install python3-venv
+        python3 -m venv .venv
+    fi
+fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 if ((want_test)); then
     .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
