@@ -1,0 +1,7 @@
+"""Model definitions for the engine, each a ``torch.nn.Module`` run over the paged KV cache."""
+
+from __future__ import annotations
+
+from sluice.engine.models.gpt2 import GPT2Config, GPT2LMHeadModel, GPT2StepError, StepSequence
+
+__all__ = ["GPT2Config", "GPT2LMHeadModel", "GPT2StepError", "StepSequence"]

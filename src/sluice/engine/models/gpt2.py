@@ -1,0 +1,320 @@
+"""GPT-2 as a paged-attention decoder: one engine step over many sequences' packed tokens.
+
+Parameter names match Hugging Face GPT-2 state dicts (``transformer.wte.weight``,
+``transformer.h.{i}.attn.c_attn.weight``, ..., ``lm_head.weight``), so a checkpoint loads
+with ``load_state_dict``. HF stores its linear layers as ``Conv1D``: the weight is
+``[in_features, out_features]`` and ``y = x @ W + b``. ``lm_head.weight`` is tied to
+``transformer.wte.weight``.
+
+A step's tokens from every scheduled sequence are packed into one 1-D ``input_ids``;
+:class:`StepSequence` says which slice belongs to which sequence. Per layer, Q, K and V are
+projected for all packed tokens at once, the new K and V are written into the
+:class:`~sluice.engine.kv_cache.KVCache` through each sequence's ``slot_mapping``, and then
+each sequence's queries attend to its keys gathered from the cache through its
+``block_table``. The same code therefore serves prefill, chunked prefill and decode.
+
+Deliberate divergences from Hugging Face ``GPT2LMHeadModel``:
+
+1. No dropout, no attention-mask/padding inputs, no ``past_key_values``: the paged cache
+   replaces all three.
+2. HF's non-persistent ``attn.bias`` / ``attn.masked_bias`` causal-mask buffers are absent;
+   load older checkpoints that carry them with ``strict=False`` or drop those keys.
+3. Only the logits of each sequence's last new token are computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sluice.engine.kv_cache import KVCache, num_blocks_for
+
+__all__ = ["GPT2Config", "GPT2LMHeadModel", "GPT2StepError", "StepSequence"]
+
+
+class GPT2StepError(ValueError):
+    """The packed inputs of a step do not fit together (shapes, slices or block tables)."""
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    """The ``config.json`` fields that shape a GPT-2 model (HF names)."""
+
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    layer_norm_epsilon: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
+        if not self.layer_norm_epsilon > 0:
+            raise ValueError(f"layer_norm_epsilon must be positive, got {self.layer_norm_epsilon}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, object]) -> GPT2Config:
+        """Build from a parsed HF ``config.json``; other keys are ignored.
+
+        Only the ``gelu_new`` activation is supported.
+        """
+        activation = config.get("activation_function", "gelu_new")
+        if activation != "gelu_new":
+            raise ValueError(f"unsupported activation_function {activation!r}")
+        values: dict[str, int | float] = {}
+        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
+            if name in config:
+                value = config[name]
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise ValueError(f"{name} must be an int, got {value!r}")
+                values[name] = value
+        if "layer_norm_epsilon" in config:
+            epsilon = config["layer_norm_epsilon"]
+            if not isinstance(epsilon, int | float) or isinstance(epsilon, bool):
+                raise ValueError(f"layer_norm_epsilon must be a number, got {epsilon!r}")
+            values["layer_norm_epsilon"] = float(epsilon)
+        return cls(**values)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class StepSequence:
+    """One sequence's share of a step's packed tokens.
+
+    ``input_ids[start : start + num_new_tokens]`` are its new tokens; ``context_len`` counts
+    the tokens in the cache after this step, new ones included, so the new tokens sit at
+    positions ``context_len - num_new_tokens .. context_len - 1``. ``block_table`` must
+    cover ``context_len`` positions.
+    """
+
+    start: int
+    num_new_tokens: int
+    context_len: int
+    block_table: Sequence[int]
+
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            raise GPT2StepError(f"start must be >= 0, got {self.start}")
+        if self.num_new_tokens <= 0:
+            raise GPT2StepError(f"num_new_tokens must be positive, got {self.num_new_tokens}")
+        if self.context_len < self.num_new_tokens:
+            raise GPT2StepError(
+                f"context_len {self.context_len} < num_new_tokens {self.num_new_tokens}"
+            )
+
+    @property
+    def end(self) -> int:
+        """One past the index of its last new token in the packed inputs."""
+        return self.start + self.num_new_tokens
+
+
+class Conv1D(nn.Module):
+    """HF's transposed linear layer: ``weight`` is ``[in_features, out_features]``."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(in_features, out_features))
+        self.bias = nn.Parameter(torch.zeros(out_features))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x, self.weight)
+
+
+class GPT2Attention(nn.Module):
+    """Multi-head causal self-attention over the paged KV cache."""
+
+    def __init__(self, config: GPT2Config, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.n_head
+        self.head_dim = config.head_dim
+        self.c_attn = Conv1D(config.n_embd, 3 * config.n_embd)
+        self.c_proj = Conv1D(config.n_embd, config.n_embd)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        seqs: Sequence[StepSequence],
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv: torch.Tensor = self.c_attn(hidden)
+        q, k, v = qkv.view(num_tokens, 3, self.num_heads, self.head_dim).unbind(dim=1)
+        kv_cache.write(self.layer_index, slots, k, v)
+        outputs = []
+        for seq in seqs:
+            seq_q = q[seq.start : seq.end].transpose(0, 1)  # [heads, num_new, dim]
+            seq_k, seq_v = kv_cache.gather(self.layer_index, seq.block_table, seq.context_len)
+            # Query at position p attends to keys at positions 0..p.
+            key_positions = torch.arange(seq.context_len, device=hidden.device)
+            mask = key_positions[None, :] <= positions[seq.start : seq.end, None]
+            attended = F.scaled_dot_product_attention(
+                seq_q,
+                seq_k.transpose(0, 1).to(seq_q.dtype),
+                seq_v.transpose(0, 1).to(seq_q.dtype),
+                attn_mask=mask,
+            )
+            outputs.append(attended.transpose(0, 1).reshape(seq.num_new_tokens, -1))
+        out: torch.Tensor = self.c_proj(torch.cat(outputs, dim=0))
+        return out
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        self.c_fc = Conv1D(config.n_embd, 4 * config.n_embd)
+        self.c_proj = Conv1D(4 * config.n_embd, config.n_embd)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # gelu_new is GELU with the tanh approximation.
+        out: torch.Tensor = self.c_proj(F.gelu(self.c_fc(hidden), approximate="tanh"))
+        return out
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config: GPT2Config, layer_index: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = GPT2Attention(config, layer_index)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = GPT2MLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        seqs: Sequence[StepSequence],
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        hidden = hidden + self.attn(self.ln_1(hidden), positions, slots, seqs, kv_cache)
+        out: torch.Tensor = hidden + self.mlp(self.ln_2(hidden))
+        return out
+
+
+class GPT2Model(nn.Module):
+    """The ``transformer`` half of the HF model: embeddings, blocks, final LayerNorm."""
+
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        nn.init.normal_(self.wte.weight, std=0.02)
+        nn.init.normal_(self.wpe.weight, std=0.01)
+
+
+class GPT2LMHeadModel(nn.Module):
+    """GPT-2 with its tied LM head, run one packed engine step at a time.
+
+    Call under ``torch.inference_mode()``; the cache is passed to every ``forward``.
+    """
+
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = GPT2Model(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def make_kv_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> KVCache:
+        """An empty cache shaped for this model (dtype and device default to its weights)."""
+        weight = self.transformer.wte.weight
+        return KVCache(
+            num_layers=self.config.n_layer,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=self.config.n_head,
+            head_dim=self.config.head_dim,
+            dtype=weight.dtype if dtype is None else dtype,
+            device=weight.device if device is None else device,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seqs: Sequence[StepSequence],
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        """Logits ``[num_seqs, vocab_size]`` for the last new token of each sequence.
+
+        ``input_ids`` and ``positions`` are 1-D and packed: the ``seqs`` take consecutive
+        slices in order and cover every token. ``positions[seq.start : seq.end]`` must be
+        ``context_len - num_new_tokens .. context_len - 1`` for each sequence.
+        """
+        self._check_step(input_ids, positions, seqs, kv_cache)
+        slots = torch.cat(
+            [kv_cache.slot_mapping(seq.block_table, positions[seq.start : seq.end]) for seq in seqs]
+        )
+        transformer = self.transformer
+        hidden: torch.Tensor = transformer.wte(input_ids) + transformer.wpe(positions)
+        for block in transformer.h:
+            hidden = block(hidden, positions, slots, seqs, kv_cache)
+        last_indices = torch.tensor([seq.end - 1 for seq in seqs], device=hidden.device)
+        logits: torch.Tensor = self.lm_head(transformer.ln_f(hidden[last_indices]))
+        return logits
+
+    def _check_step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seqs: Sequence[StepSequence],
+        kv_cache: KVCache,
+    ) -> None:
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise GPT2StepError(
+                f"input_ids and positions must be 1-D and equal in shape, got "
+                f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
+            )
+        if not seqs:
+            raise GPT2StepError("a step needs at least one sequence")
+        if kv_cache.num_layers != self.config.n_layer:
+            raise GPT2StepError(
+                f"kv_cache has {kv_cache.num_layers} layers, model has {self.config.n_layer}"
+            )
+        num_packed_tokens = 0
+        for index, seq in enumerate(seqs):
+            if seq.start != num_packed_tokens:
+                raise GPT2StepError(
+                    f"sequence {index} starts at {seq.start}, expected {num_packed_tokens}"
+                )
+            if seq.context_len > self.config.n_positions:
+                raise GPT2StepError(
+                    f"sequence {index} context_len {seq.context_len} exceeds n_positions "
+                    f"{self.config.n_positions}"
+                )
+            num_needed_blocks = num_blocks_for(seq.context_len, kv_cache.block_size)
+            if len(seq.block_table) < num_needed_blocks:
+                raise GPT2StepError(
+                    f"sequence {index} needs {num_needed_blocks} blocks for context_len "
+                    f"{seq.context_len}, block_table has {len(seq.block_table)}"
+                )
+            num_packed_tokens = seq.end
+        if num_packed_tokens != input_ids.shape[0]:
+            raise GPT2StepError(
+                f"sequences cover {num_packed_tokens} tokens, input_ids has {input_ids.shape[0]}"
+            )
