@@ -1,4 +1,4 @@
-"""Engine logic that needs no accelerator: sequences and the paged KV-cache block manager.
+"""Engine logic that needs no accelerator: sequences, the KV-cache block manager, the scheduler.
 
 Pure Python, self-contained (imports nothing else from ``sluice``), tested on the CPU.
 """
@@ -15,6 +15,15 @@ from sluice.engine.block_manager import (
     BlockTableError,
     compute_block_hash,
 )
+from sluice.engine.scheduler import (
+    QueueFullError,
+    ScheduledBatch,
+    ScheduledSequence,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerError,
+    StepOrderError,
+)
 from sluice.engine.sequence import Sequence, SequenceStatus
 
 __all__ = [
@@ -25,7 +34,14 @@ __all__ = [
     "BlockManagerError",
     "BlockManagerStats",
     "BlockTableError",
+    "QueueFullError",
+    "ScheduledBatch",
+    "ScheduledSequence",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerError",
     "Sequence",
     "SequenceStatus",
+    "StepOrderError",
     "compute_block_hash",
 ]

@@ -2,7 +2,8 @@
 
 Token ids ``[0, num_tokens)`` are split into logical blocks of ``block_size`` tokens; logical
 block ``i`` lives in physical block ``block_table[i]`` of the KV cache. The first
-``num_cached_tokens`` tokens were found in the prefix cache and need no prefill. Nothing
+``num_cached_tokens`` tokens were found in the prefix cache and need no prefill; the first
+``num_computed_tokens`` have their KV in the cache (the scheduler keeps this count). Nothing
 here touches the KV cache itself; :class:`~sluice.engine.block_manager.BlockManager` fills
 ``block_table`` and ``num_cached_tokens``.
 """
@@ -40,6 +41,7 @@ class Sequence:
         self.block_size = block_size
         self.num_prompt_tokens = len(self.token_ids)
         self.num_cached_tokens = 0
+        self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
 
