@@ -1,0 +1,285 @@
+"""The inference engine: requests in, token and text deltas out, one step at a time.
+
+One :meth:`Engine.step` is three calls, in the manner of nano-vllm::
+
+    batch = scheduler.schedule()           # which tokens of which sequences run now
+    logits = model_runner.run(batch)       # next-token logits of each sampling item
+    scheduler.postprocess(batch, sampled, finished)
+
+Between the last two, the engine samples each sampling item's token, feeds its bytes to the
+request's :class:`~sluice.engine.detokenizer.IncrementalDetokenizer` and decides which
+requests end with it:
+
+- ``"stop"``: the token is EOS (unless ``ignore_eos``) or one of ``stop_token_ids`` (its
+  text is not emitted), or the released text reached a stop string (text up to it only);
+- ``"length"``: ``max_tokens`` completion tokens, or ``max_model_len`` tokens in all.
+
+Request ids are the scheduler's sequence ids. Nothing here runs on its own: the caller (a
+server loop) calls :meth:`Engine.step` while :meth:`Engine.has_unfinished_requests`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from sluice.engine.block_manager import BlockManager, BlockManagerStats
+from sluice.engine.detokenizer import IncrementalDetokenizer
+from sluice.engine.model_runner import ModelRunner, PagedModel
+from sluice.engine.sampler import Sampler
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from sluice.engine.sequence import Sequence
+
+__all__ = ["Engine", "EngineConfig", "FinishReason", "RequestOutput"]
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Cache size and scheduling limits; :class:`ValueError` for any that cannot hold.
+
+    ``max_model_len`` caps prompt plus completion tokens of one request; it must fit the
+    KV cache (``num_blocks * block_size``) and, checked by :class:`Engine`, the model's
+    positions.
+    """
+
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_waiting: int
+    max_model_len: int
+    chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_blocks",
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_waiting",
+        ):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.max_model_len > self.num_blocks * self.block_size:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the KV cache: "
+                f"{self.num_blocks} blocks of {self.block_size} tokens"
+            )
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_waiting=self.max_waiting,
+            block_size=self.block_size,
+            chunked_prefill=self.chunked_prefill,
+        )
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one request gained in one step.
+
+    ``new_text`` is the text released this step (held-back text that may begin a stop
+    string comes later, or never). ``logprobs`` holds one logprob per new token when the
+    request asked for them, else None.
+    """
+
+    request_id: int
+    new_text: str
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_completion_tokens: int
+    num_cached_tokens: int
+    logprobs: tuple[float, ...] | None = None
+
+
+class _Request:
+    """The engine's bookkeeping for one live request."""
+
+    __slots__ = ("detokenizer", "num_cached_tokens", "params", "seq")
+
+    def __init__(self, seq: Sequence, params: SamplingParams) -> None:
+        self.seq = seq
+        self.params = params
+        self.detokenizer = IncrementalDetokenizer(params.stop)
+        self.num_cached_tokens: int | None = None  # prompt tokens from the prefix cache
+
+
+class Engine:
+    """Continuous-batching generation over a paged KV cache.
+
+    ``token_bytes`` turns a token id into its raw bytes (the tokenizer supplies it).
+    """
+
+    def __init__(
+        self,
+        model: PagedModel,
+        config: EngineConfig,
+        *,
+        eos_token_id: int | None,
+        token_bytes: Callable[[int], bytes],
+    ) -> None:
+        if config.max_model_len > model.config.n_positions:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's "
+                f"n_positions {model.config.n_positions}"
+            )
+        self.config = config
+        self.eos_token_id = eos_token_id
+        self._token_bytes = token_bytes
+        self._vocab_size = model.config.vocab_size
+        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.scheduler = Scheduler(config.scheduler_config(), self.block_manager)
+        self.model_runner = ModelRunner(
+            model, model.make_kv_cache(config.num_blocks, config.block_size)
+        )
+        self.sampler = Sampler()
+        self._requests: dict[int, _Request] = {}
+        self._next_request_id = 0
+
+    # -- stats ----------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_requests(self) -> int:
+        """Requests added and neither finished nor aborted."""
+        return len(self._requests)
+
+    def block_manager_stats(self) -> BlockManagerStats:
+        return self.block_manager.stats()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Queue a request and return its id.
+
+        Raises :class:`ValueError` for an empty prompt, a token id outside the vocabulary, or
+        ``len(prompt) + max_tokens > max_model_len``, and the scheduler's
+        :class:`~sluice.engine.scheduler.QueueFullError` while ``max_waiting`` requests wait.
+        """
+        if not prompt_token_ids:
+            raise ValueError("the prompt needs at least one token")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self._vocab_size]
+        if bad:
+            raise ValueError(
+                f"token ids {bad[:8]} are outside the vocabulary [0, {self._vocab_size})"
+            )
+        num_total = len(prompt_token_ids) + params.max_tokens
+        if num_total > self.config.max_model_len:
+            raise ValueError(
+                f"prompt of {len(prompt_token_ids)} tokens plus max_tokens={params.max_tokens} "
+                f"exceeds max_model_len={self.config.max_model_len}"
+            )
+        request_id = self._next_request_id
+        seq = Sequence(request_id, prompt_token_ids, self.config.block_size)
+        self.scheduler.add(seq)  # may raise QueueFullError: the id is then not used
+        self._next_request_id += 1
+        self._requests[request_id] = _Request(seq, params)
+        return request_id
+
+    def abort(self, request_id: int) -> bool:
+        """Drop a request in any state, freeing its KV blocks now; False if unknown or done."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.abort(request_id)
+        self.sampler.forget(request_id)
+        return True
+
+    # -- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return an output for each request that sampled a token.
+
+        If the model or the sampler raises, every request in the batch is aborted (its
+        blocks freed) before the error propagates, so the engine stays usable.
+        """
+        batch = self.scheduler.schedule()
+        try:
+            logits = self.model_runner.run(batch)
+            sampled, outputs, finished = self._sample_and_check(batch, logits)
+        except BaseException:
+            for item in batch.items:
+                self.abort(item.seq.seq_id)
+            self.scheduler.postprocess(batch, {})
+            raise
+        self.scheduler.postprocess(batch, sampled, finished)
+        for request_id in finished:
+            self._requests.pop(request_id, None)
+            self.sampler.forget(request_id)
+        return outputs
+
+    def _sample_and_check(
+        self, batch: ScheduledBatch, logits: dict[int, torch.Tensor]
+    ) -> tuple[dict[int, int], list[RequestOutput], set[int]]:
+        request_ids = [seq_id for seq_id in batch.sampled_seq_ids if seq_id in self._requests]
+        if not request_ids:
+            return {}, [], set()
+        requests = [self._requests[request_id] for request_id in request_ids]
+        tokens, logprobs = self.sampler.sample(
+            torch.stack([logits[request_id] for request_id in request_ids]),
+            [request.params for request in requests],
+            request_ids,
+        )
+        sampled: dict[int, int] = {}
+        outputs: list[RequestOutput] = []
+        finished: set[int] = set()
+        for request, token, logprob in zip(requests, tokens, logprobs, strict=True):
+            seq = request.seq
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = seq.num_cached_tokens
+            sampled[seq.seq_id] = token
+            text, reason = self._check_finish(request, token)
+            if reason is not None:
+                finished.add(seq.seq_id)
+            outputs.append(
+                RequestOutput(
+                    request_id=seq.seq_id,
+                    new_text=text,
+                    new_token_ids=(token,),
+                    finished=reason is not None,
+                    finish_reason=reason,
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    num_completion_tokens=seq.num_completion_tokens + 1,
+                    num_cached_tokens=request.num_cached_tokens,
+                    logprobs=(logprob,) if request.params.logprobs else None,
+                )
+            )
+        return sampled, outputs, finished
+
+    def _check_finish(self, request: _Request, token: int) -> tuple[str, FinishReason | None]:
+        """The text ``token`` releases and why the request ends with it, if it does."""
+        params, detokenizer = request.params, request.detokenizer
+        is_eos = token == self.eos_token_id and not params.ignore_eos
+        if is_eos or token in params.stop_token_ids:
+            return detokenizer.flush(), "stop"
+        text = detokenizer.push(self._token_bytes(token))
+        if detokenizer.stop is not None:
+            return text, "stop"
+        num_completion_tokens = request.seq.num_completion_tokens + 1
+        num_tokens = request.seq.num_tokens + 1
+        if num_completion_tokens >= params.max_tokens or num_tokens >= self.config.max_model_len:
+            return text + detokenizer.flush(), "length"
+        return text, None
