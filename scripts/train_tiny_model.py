@@ -1,0 +1,186 @@
+"""Train the bundled tiny GPT-2 (and its draft model) on the Python standard library's docs.
+
+Everything is offline: the corpus is the plain-text ``pydoc`` documentation of the standard
+library modules of the running Python, the tokenizer is a byte-level BPE trained on it with
+``tokenizers``, and the model is :class:`sluice.engine.models.gpt2.GPT2LMHeadModel` trained
+with a dense causal forward written here (the engine's own forward is the paged inference
+path). The result is saved in Hugging Face format (``config.json``, ``model.safetensors``
+in fp16, ``tokenizer.json``), so ``sluice serve --model DIR`` and ``transformers`` both
+load it.
+
+    .venv/bin/python scripts/train_tiny_model.py --out models/sluice-tiny --minutes 30
+    .venv/bin/python scripts/train_tiny_model.py --out models/sluice-tiny-draft \\
+        --tokenizer models/sluice-tiny/tokenizer.json --layers 2 --width 96 --minutes 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import pkgutil
+import pydoc
+import random
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from sluice.engine.models.gpt2 import GPT2Config, GPT2LMHeadModel
+
+EOS = "<|endoftext|>"
+
+
+def stdlib_docs(max_chars: int) -> list[str]:
+    """The plain-text pydoc pages of the standard library's top-level modules."""
+    stdlib = set(sys.stdlib_module_names)
+    names = sorted(m.name for m in pkgutil.iter_modules() if m.name in stdlib)
+    pages: list[str] = []
+    total = 0
+    for name in names:
+        if name.startswith("_") or name in {"antigravity", "this", "idlelib", "tkinter", "turtle"}:
+            continue
+        try:
+            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+                warnings.simplefilter("ignore")
+                module = __import__(name)
+                text = pydoc.render_doc(module, renderer=pydoc.plaintext)
+        except Exception:  # a module that cannot be imported here is simply skipped
+            continue
+        pages.append(text)
+        total += len(text)
+        if total >= max_chars:
+            break
+    return pages
+
+
+def train_tokenizer(pages: list[str], vocab_size: int) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(pages, trainer)
+    return tokenizer
+
+
+def dense_logits(model: GPT2LMHeadModel, ids: torch.Tensor) -> torch.Tensor:
+    """Causal forward over ``ids`` ``[batch, time]`` with the model's own weights."""
+    t = model.transformer
+    batch, length = ids.shape
+    hidden = t.wte(ids) + t.wpe(torch.arange(length))
+    for block in t.h:
+        attn = block.attn
+        qkv = attn.c_attn(block.ln_1(hidden).reshape(batch * length, -1))
+        q, k, v = qkv.view(batch, length, 3, attn.num_heads, attn.head_dim).unbind(dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        out = attn.c_proj(out.transpose(1, 2).reshape(batch * length, -1))
+        hidden = hidden + out.view(batch, length, -1)
+        mlp = block.mlp(block.ln_2(hidden).reshape(batch * length, -1))
+        hidden = hidden + mlp.view(batch, length, -1)
+    logits: torch.Tensor = model.lm_head(t.ln_f(hidden))
+    return logits
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="output checkpoint directory")
+    parser.add_argument("--tokenizer", type=Path, help="reuse this tokenizer.json")
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=192)
+    parser.add_argument("--heads", type=int, default=6)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--corpus-chars", type=int, default=6_000_000)
+    parser.add_argument("--minutes", type=float, default=30.0, help="training time budget")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+
+    pages = stdlib_docs(args.corpus_chars)
+    print(f"corpus: {len(pages)} pages, {sum(map(len, pages)):,} characters", flush=True)
+    if args.tokenizer:
+        tokenizer = Tokenizer.from_file(str(args.tokenizer))
+    else:
+        tokenizer = train_tokenizer(pages, args.vocab)
+    eos_id = tokenizer.token_to_id(EOS)
+    ids: list[int] = []
+    for page in pages:
+        ids += [*tokenizer.encode(page).ids, eos_id]
+    data = torch.tensor(ids)
+    print(f"tokens: {len(ids):,}", flush=True)
+
+    config = GPT2Config(
+        vocab_size=tokenizer.get_vocab_size(),
+        n_positions=args.context,
+        n_embd=args.width,
+        n_layer=args.layers,
+        n_head=args.heads,
+    )
+    model = GPT2LMHeadModel(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    deadline = time.monotonic() + args.minutes * 60
+    step = 0
+    model.train()
+    while time.monotonic() < deadline:
+        starts = torch.randint(0, len(data) - args.context - 1, (args.batch,))
+        batch = torch.stack([data[s : s + args.context + 1] for s in starts])
+        logits = dense_logits(model, batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        progress = 1 - (deadline - time.monotonic()) / (args.minutes * 60)
+        for group in optimizer.param_groups:  # cosine decay over the time budget
+            group["lr"] = 3e-3 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        optimizer.step()
+        step += 1
+        if step % 50 == 0:
+            print(f"step {step} loss {loss.item():.3f}", flush=True)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    state = {
+        k: v.detach().to(torch.float16).contiguous()
+        for k, v in model.state_dict().items()
+        if k != "lm_head.weight"  # tied to transformer.wte.weight, as in Hugging Face
+    }
+    save_file(state, str(args.out / "model.safetensors"), metadata={"format": "pt"})
+    hf_config = {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "activation_function": "gelu_new",
+        "vocab_size": config.vocab_size,
+        "n_positions": config.n_positions,
+        "n_ctx": config.n_positions,
+        "n_embd": config.n_embd,
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "layer_norm_epsilon": config.layer_norm_epsilon,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float16",
+    }
+    (args.out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    tokenizer.save(str(args.out / "tokenizer.json"))
+    print(f"saved {args.out} after {step} steps", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
