@@ -1,0 +1,226 @@
+"""AsyncEngine: the engine's steps on one thread, outputs streamed to the event loop.
+
+Concurrent streams give the engine's own greedy tokens, an abort frees every block, the
+loop keeps running during steps, admission errors and step errors reach the right caller,
+and stopping ends live streams and joins the thread. Nothing leaks when a stream is
+aborted or cancelled: the tests say so by counting free blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+from sluice.engine import BlockManagerStats, QueueFullError
+from sluice.engine.driver import (
+    AsyncEngine,
+    EngineClosedError,
+    EngineStepError,
+    RequestStream,
+)
+from sluice.engine.engine import Engine, EngineConfig, RequestOutput
+from sluice.engine.models import GPT2Config, GPT2LMHeadModel
+from sluice.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.anyio
+
+MODEL_CONFIG = GPT2Config(vocab_size=101, n_positions=256, n_embd=64, n_layer=2, n_head=4)
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+LONG = SamplingParams(max_tokens=100, temperature=0)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def ascii_bytes(token: int) -> bytes:
+    return bytes([33 + token % 90])
+
+
+@pytest.fixture(scope="module")
+def model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(MODEL_CONFIG).eval()
+    # Weights far larger than GPT-2's init, so greedy decoding does not repeat one token.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "ln_" in name and name.endswith(".weight"):
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            else:
+                param.copy_(0.3 * torch.randn_like(param))
+    return model
+
+
+def make_engine(model: GPT2LMHeadModel, *, max_waiting: int = 64) -> Engine:
+    config = EngineConfig(
+        num_blocks=64,
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_waiting=max_waiting,
+        max_model_len=128,
+    )
+    return Engine(model, config, eos_token_id=None, token_bytes=ascii_bytes)
+
+
+@pytest.fixture
+async def driver(model: GPT2LMHeadModel) -> AsyncIterator[AsyncEngine]:
+    async with AsyncEngine(make_engine(model)) as driver:
+        yield driver
+
+
+def run_sync(model: GPT2LMHeadModel, prompts: list[list[int]]) -> list[list[int]]:
+    engine = make_engine(model)
+    ids = [engine.add_request(prompt, GREEDY) for prompt in prompts]
+    tokens: dict[int, list[int]] = {i: [] for i in ids}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens[output.request_id].extend(output.new_token_ids)
+    return [tokens[i] for i in ids]
+
+
+async def collect(stream: RequestStream, timeout_s: float = 10.0) -> list[RequestOutput]:
+    async with asyncio.timeout(timeout_s):
+        return [output async for output in stream]
+
+
+async def stats(driver: AsyncEngine) -> BlockManagerStats:
+    return await driver.call(lambda engine: engine.block_manager_stats())
+
+
+def engine_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "sluice-engine"]
+
+
+async def test_concurrent_streams_match_the_engine_run_synchronously(
+    model: GPT2LMHeadModel, driver: AsyncEngine
+) -> None:
+    prompts = [[1, 2, 3, 4, 5], [7, 99, 3, 14, 15, 92, 65]]
+    streams = [await driver.add_request(prompt, GREEDY) for prompt in prompts]
+    results = await asyncio.gather(*(collect(stream) for stream in streams))
+    tokens = [[t for output in outputs for t in output.new_token_ids] for outputs in results]
+    assert tokens == run_sync(model, prompts)
+    for outputs in results:
+        assert [o.finished for o in outputs] == [False] * 11 + [True]
+        assert outputs[-1].finish_reason == "length"
+    assert len(set(tokens[0])) > 1  # the weights make greedy output vary
+
+
+async def test_abort_mid_stream_ends_the_stream_and_frees_every_block(
+    driver: AsyncEngine,
+) -> None:
+    initial = await stats(driver)
+    stream = await driver.add_request([1, 2, 3, 4, 5, 6, 7, 8, 9], LONG)
+    other = await driver.add_request([4, 5, 6], LONG)
+    first = await anext(stream)
+    assert not first.finished
+    assert await driver.abort(stream.request_id)
+    rest = await collect(stream)
+    assert all(not o.finished for o in rest)  # ended by the abort, not by finishing
+    assert not await driver.abort(stream.request_id)  # idempotent: already gone
+    driver.abort_nowait(other.request_id)
+    await collect(other)
+    after = await stats(driver)
+    assert after.num_free_blocks == initial.num_free_blocks == after.num_blocks
+    assert await driver.call(lambda engine: engine.num_requests) == 0
+
+
+async def test_event_loop_keeps_ticking_while_the_engine_steps(driver: AsyncEngine) -> None:
+    gaps: list[float] = []
+    done = asyncio.Event()
+
+    async def tick() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(tick())
+        streams = [await driver.add_request([i + 1, i + 2, i + 3], LONG) for i in range(4)]
+        await asyncio.gather(*(collect(stream) for stream in streams))
+        done.set()
+    assert len(gaps) > 5
+    assert max(gaps) < 0.2
+
+
+async def test_queue_full_error_is_raised_by_add_request(model: GPT2LMHeadModel) -> None:
+    gate = threading.Event()
+    async with AsyncEngine(make_engine(model, max_waiting=1)) as driver:
+        # Hold the engine thread so both adds are handled before any step admits one.
+        held = asyncio.ensure_future(driver.call(lambda engine: gate.wait(5)))
+        first = asyncio.ensure_future(driver.add_request([1, 2, 3], GREEDY))
+        second = asyncio.ensure_future(driver.add_request([4, 5, 6], GREEDY))
+        await asyncio.sleep(0)  # both add commands are queued behind the held call
+        gate.set()
+        assert await held
+        stream = await first
+        with pytest.raises(QueueFullError):
+            await second
+        assert (await collect(stream))[-1].finished
+        with pytest.raises(ValueError, match="at least one token"):
+            await driver.add_request([], GREEDY)
+
+
+async def test_a_failing_step_fails_live_streams_and_the_thread_keeps_serving(
+    driver: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stream = await driver.add_request([1, 2, 3], LONG)
+    await anext(stream)
+
+    def install_failure(engine: Engine) -> None:
+        real_step = engine.step
+
+        def failing_step() -> list[RequestOutput]:
+            monkeypatch.setattr(engine, "step", real_step)
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(engine, "step", failing_step)
+
+    await driver.call(install_failure)
+    with pytest.raises(EngineStepError) as excinfo:
+        await collect(stream)
+    assert isinstance(excinfo.value.__cause__, RuntimeError)
+    after = await collect(await driver.add_request([1, 2, 3], GREEDY))
+    assert after[-1].finished
+    final = await stats(driver)
+    assert final.num_free_blocks == final.num_blocks
+
+
+async def test_cancelled_add_request_leaks_no_request(driver: AsyncEngine) -> None:
+    task = asyncio.ensure_future(driver.add_request([1, 2, 3], LONG))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # Once a first call is handled, the add was too, and so its abort is queued: the
+    # second call runs after the abort.
+    await driver.call(lambda engine: None)
+    assert await driver.call(lambda engine: engine.num_requests) == 0
+    final = await stats(driver)
+    assert final.num_free_blocks == final.num_blocks
+
+
+async def test_stopping_ends_live_streams_and_joins_the_thread(model: GPT2LMHeadModel) -> None:
+    async with AsyncEngine(make_engine(model)) as driver:
+        assert driver.is_running
+        streams = [await driver.add_request([i + 1, i + 2], LONG) for i in range(2)]
+        for stream in streams:
+            await anext(stream)
+    assert not driver.is_running
+    assert engine_threads() == []
+    for stream in streams:
+        with pytest.raises(EngineClosedError):
+            await collect(stream)
+    with pytest.raises(EngineClosedError):
+        await driver.add_request([1], GREEDY)
+    assert not await driver.abort(0)
+    driver.abort_nowait(0)  # safe after the stop
