@@ -14,7 +14,7 @@ from sluice.errors import (
     IllegalTransitionError,
     StreamNotFoundError,
 )
-from sluice.events import Finished, FinishReason, NeutralEvent, Started, TextDelta, Usage
+from sluice.events import Error, Finished, FinishReason, NeutralEvent, Started, TextDelta, Usage
 from sluice.streams import HubSettings, MemoryEventLog, Reader, StreamHub, StreamState
 from sluice.streams.state import next_state
 
@@ -223,3 +223,56 @@ def test_state_table_refuses_illegal_transitions() -> None:
         next_state("s", StreamState.FINISHED, StreamState.RUNNING)
     with pytest.raises(IllegalTransitionError, match="running -> queued"):
         next_state("s", StreamState.RUNNING, StreamState.QUEUED)
+
+
+class RefusingGeneration:
+    """A generation whose backend refuses the work when it starts."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        self.aborted = False
+
+    def __aiter__(self) -> RefusingGeneration:
+        return self
+
+    async def __anext__(self) -> object:
+        raise self.error
+
+    async def abort(self) -> None:
+        self.aborted = True
+
+    def usage(self) -> Usage:
+        return Usage(0, 0)
+
+
+class RefusingBackend:
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    @property
+    def model(self) -> str:
+        return "refusing"
+
+    def generate(self, request: GenerationRequest) -> RefusingGeneration:
+        return RefusingGeneration(self.error)
+
+    async def aclose(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "retryable"),
+    [
+        (CapacityError("engine queue is full", retry_after_s=1), "overloaded", True),
+        (BadRequestError("prompt too long"), "invalid_request", False),
+    ],
+)
+async def test_a_backend_refusal_ends_the_stream_with_a_clear_error(
+    error: Exception, code: str, retryable: bool
+) -> None:
+    hub = StreamHub(MemoryEventLog(), {"refusing": RefusingBackend(error)}, HubSettings())
+    async with hub.running():
+        stream = await hub.create("refusing", GenerationRequest("x"))
+        events = await read_until_done(hub.open_reader(stream.id, 0))
+    assert events[-1] == Error(code, str(error), retryable)
+    assert stream.state is StreamState.FAILED

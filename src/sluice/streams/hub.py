@@ -299,6 +299,16 @@ class StreamHub:
             await generation.abort()
             final = [Error("backend_error", str(exc), exc.retryable)]
             target = StreamState.FAILED
+        except CapacityError as exc:  # a backend refused the work when it started
+            stream.task = None
+            await generation.abort()
+            final = [Error("overloaded", str(exc), True)]
+            target = StreamState.FAILED
+        except BadRequestError as exc:
+            stream.task = None
+            await generation.abort()
+            final = [Error("invalid_request", str(exc), False)]
+            target = StreamState.FAILED
         except Exception:
             stream.task = None
             logger.exception("stream %s: producer failed", stream.id)
