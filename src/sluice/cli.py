@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import logging
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
 from sluice import __version__
+from sluice.backends.base import Backend
+from sluice.backends.engine import EngineBackend
+from sluice.engine.driver import AsyncEngine
+from sluice.engine.engine import Engine, EngineConfig
+from sluice.engine.loader import load_checkpoint
 from sluice.errors import ConfigError
 from sluice.gateway.app import create_app
 from sluice.gateway.protocol import SluiceHttpProtocol
@@ -42,6 +50,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="serve on this inherited, already listening socket instead of --host/--port "
         "(socket activation; --host/--port then only label the page URL)",
+    )
+    serve.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="serve this Hugging Face-format GPT-2 checkpoint directory (config.json, "
+        "*.safetensors, tokenizer.json) with the embedded engine, under the directory's "
+        "name, as the default model",
+    )
+    serve.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=1024,
+        help="KV-cache blocks of the embedded engine (16 tokens each)",
+    )
+    serve.add_argument(
+        "--max-running",
+        type=int,
+        default=64,
+        help="sequences the embedded engine runs in one batch",
     )
     serve.add_argument(
         "--heartbeat-interval",
@@ -154,6 +183,30 @@ class _Server(uvicorn.Server):
             self._captured_signals.remove(sig)
 
 
+def _embedded_engine(args: argparse.Namespace) -> tuple[str, Backend, AsyncEngine]:
+    """Load ``--model`` and put the embedded engine behind the Backend seam."""
+    checkpoint = load_checkpoint(args.model)
+    block_size = 16
+    config = EngineConfig(
+        num_blocks=args.kv_blocks,
+        block_size=block_size,
+        max_num_seqs=args.max_running,
+        max_num_batched_tokens=512,
+        max_waiting=4 * args.max_running,
+        max_model_len=min(checkpoint.config.n_positions, args.kv_blocks * block_size),
+    )
+    tokenizer = checkpoint.tokenizer
+    engine = Engine(
+        checkpoint.model,
+        config,
+        eos_token_id=tokenizer.eos_token_id,
+        token_bytes=tokenizer.token_bytes,
+    )
+    driver = AsyncEngine(engine)
+    backend = EngineBackend(checkpoint.name, driver, tokenizer, default_max_tokens=128)
+    return checkpoint.name, backend, driver
+
+
 def serve(args: argparse.Namespace) -> int:
 
     try:
@@ -162,7 +215,18 @@ def serve(args: argparse.Namespace) -> int:
         print(f"sluice serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    app = create_app(settings)
+    backends: dict[str, Backend] = {}
+    resources: list[contextlib.AbstractAsyncContextManager[object]] = []
+    if args.model is not None:
+        try:
+            name, backend, driver = _embedded_engine(args)
+        except (OSError, ValueError) as exc:
+            print(f"sluice serve: --model {args.model}: {exc}", file=sys.stderr)
+            return 2
+        backends[name] = backend
+        resources.append(driver)
+        settings = dataclasses.replace(settings, default_model=name)
+    app = create_app(settings, backends, resources)
     config = uvicorn.Config(
         app,
         host=args.host,

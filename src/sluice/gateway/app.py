@@ -8,8 +8,8 @@ small Starlette app (routing, CORS preflight, the lifespan that runs the hub).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Mapping
-from importlib import resources
+from collections.abc import AsyncIterator, Mapping, Sequence
+from importlib import resources as package_data
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -36,8 +36,14 @@ __all__ = ["SluiceApp", "create_app"]
 class SluiceApp:
     """The ASGI callable; ``hub`` is exposed for operations and tests."""
 
-    def __init__(self, settings: Settings, backends: Mapping[str, Backend]) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        backends: Mapping[str, Backend],
+        resources: Sequence[contextlib.AbstractAsyncContextManager[object]] = (),
+    ) -> None:
         self.settings = settings
+        self._resources = tuple(resources)
         log = MemoryEventLog(LogLimits(settings.max_log_records, settings.max_log_bytes))
         hub_settings = HubSettings(
             default_grace_s=settings.default_grace_s,
@@ -46,7 +52,7 @@ class SluiceApp:
         )
         self.hub = StreamHub(log, backends, hub_settings)
         self.streams = EventStreams(self.hub, settings)
-        page = resources.files("sluice.web").joinpath("index.html").read_text("utf-8")
+        page = package_data.files("sluice.web").joinpath("index.html").read_text("utf-8")
         api = NativeApi(self.hub, settings, page)
         self._framework = Starlette(
             routes=[
@@ -76,10 +82,15 @@ class SluiceApp:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        async with self.hub.running():
-            yield
-        for backend in set(self.hub.backends.values()):
-            await backend.aclose()
+        # Resources (an engine's driver thread) start before the hub and stop after it, so
+        # the hub's last cancellations still reach them.
+        async with contextlib.AsyncExitStack() as stack:
+            for resource in self._resources:
+                await stack.enter_async_context(resource)
+            async with self.hub.running():
+                yield
+            for backend in set(self.hub.backends.values()):
+                await backend.aclose()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and EventStreams.handles(scope["method"], scope["path"]):
@@ -100,11 +111,17 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(
-    settings: Settings | None = None, backends: Mapping[str, Backend] | None = None
+    settings: Settings | None = None,
+    backends: Mapping[str, Backend] | None = None,
+    resources: Sequence[contextlib.AbstractAsyncContextManager[object]] = (),
 ) -> SluiceApp:
-    """Build the app; the ``words`` backend is always served."""
+    """Build the app; the ``words`` backend is always served.
+
+    ``resources`` are entered for the app's lifetime, before the hub starts (for example
+    the driver thread of an embedded engine).
+    """
     settings = settings or Settings()
     served: dict[str, Backend] = {"words": WordsBackend()}
     if backends:
         served.update(backends)
-    return SluiceApp(settings, served)
+    return SluiceApp(settings, served, resources)

@@ -1,0 +1,73 @@
+"""``sluice serve --model DIR``: a real checkpoint directory streamed by the embedded engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from sluice.engine.models.gpt2 import GPT2Config, GPT2LMHeadModel
+from sluice.sse import Decoder
+from tests.server import ServerProcess
+
+CORPUS = ["The quick brown fox jumps over the lazy dog. Streams of tokens arrive."] * 30
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("ckpt") / "tiny-test"
+    directory.mkdir()
+    tokenizer = HFTokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=tokenizer.get_vocab_size(), n_positions=128, n_embd=32, n_layer=2, n_head=4
+    )
+    model = GPT2LMHeadModel(config)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(directory / "model.safetensors"))
+    hf_config = {"model_type": "gpt2", "activation_function": "gelu_new", **vars(config)}
+    (directory / "config.json").write_text(json.dumps(hf_config))
+    return directory
+
+
+def test_a_checkpoint_is_served_as_the_default_model(checkpoint: Path) -> None:
+    with ServerProcess("--model", str(checkpoint), "--kv-blocks", "64") as server:
+        models_listed = httpx.get(f"{server.base_url}/v1/models", timeout=30).json()
+        assert {m["id"] for m in models_listed["data"]} == {"words", "tiny-test"}
+        created = httpx.post(
+            f"{server.base_url}/v1/streams", json={"prompt": "The quick", "max_tokens": 6}
+        ).json()
+        assert created["model"] == "tiny-test"
+        body = httpx.get(f"{server.base_url}{created['events_url']}", timeout=30).content
+        events = Decoder().feed(body)
+        names = [e.event for e in events]
+        assert names[0] == "start"
+        assert names[-2:] == ["usage", "done"]
+        usage = orjson.loads(events[-2].data)
+        assert usage["completion_tokens"] == 6
+        assert usage["prompt_tokens"] > 0
+        assert orjson.loads(events[-1].data) == {"reason": "length"}
+        assert server.stop() == 0
+
+
+def test_a_broken_model_directory_stops_serve_with_a_clear_message(tmp_path: Path) -> None:
+    with ServerProcess("--model", str(tmp_path)) as server:
+        assert server.process is not None
+        assert server.process.wait(timeout=60) == 2
