@@ -64,6 +64,18 @@ def test_a_checkpoint_is_served_as_the_default_model(checkpoint: Path) -> None:
         assert usage["completion_tokens"] == 6
         assert usage["prompt_tokens"] > 0
         assert orjson.loads(events[-1].data) == {"reason": "length"}
+
+        def text_of(**sampling: object) -> str:
+            body = {"prompt": "The quick", "max_tokens": 8, **sampling}
+            created = httpx.post(f"{server.base_url}/v1/streams", json=body).json()
+            raw = httpx.get(f"{server.base_url}{created['events_url']}", timeout=30).content
+            tokens = [
+                orjson.loads(e.data)["text"] for e in Decoder().feed(raw) if e.event == "token"
+            ]
+            return "".join(tokens)
+
+        assert text_of(temperature=1.0, seed=7) == text_of(temperature=1.0, seed=7)
+        assert text_of(temperature=0) == text_of(temperature=0, top_p=0.5, top_k=3)
         assert server.stop() == 0
 
 

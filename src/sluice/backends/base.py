@@ -30,6 +30,12 @@ class GenerationRequest:
     max_tokens: int | None = None
     # Demo pacing for the ``words`` backend: seconds between tokens (0 = as fast as possible).
     interval_s: float = 0.0
+    # Sampling, for model backends; ``None`` keeps the backend's default.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

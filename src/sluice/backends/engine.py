@@ -100,7 +100,7 @@ class EngineGeneration:
         self._num_prompt_tokens = len(prompt_ids)
         try:
             # Validated here, not in generate(): admission errors surface from the producer.
-            params = dataclasses.replace(self._params, max_tokens=self._max_tokens)
+            params = _request_params(self._params, self._request, self._max_tokens)
             stream = await self._driver.add_request(prompt_ids, params)
         except QueueFullError as exc:
             raise CapacityError(
@@ -150,6 +150,20 @@ class EngineGeneration:
             completion_tokens=latest.num_completion_tokens,
             cached_tokens=latest.num_cached_tokens,
         )
+
+
+def _request_params(
+    base: SamplingParams, request: GenerationRequest, max_tokens: int
+) -> SamplingParams:
+    """The backend's sampling settings with what the request sets on top (validated)."""
+    changes: dict[str, object] = {"max_tokens": max_tokens}
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        value = getattr(request, name)
+        if value is not None:
+            changes[name] = value
+    if request.stop:
+        changes["stop"] = request.stop
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
 
 
 class EngineBackend:

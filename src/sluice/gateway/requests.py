@@ -16,6 +16,7 @@ from sluice.transports.asgi import Receive, Scope
 
 __all__ = [
     "CreateStreamBody",
+    "generation_request",
     "last_event_id",
     "read_json_body",
     "to_generation_request",
@@ -33,6 +34,14 @@ class CreateStreamBody(BaseModel):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     resumable: bool = True
     grace_s: Annotated[float, Field(ge=0)] | None = None
+    # Sampling (model backends; ``temperature: 0`` is greedy). Bounds as in SamplingParams.
+    temperature: Annotated[float, Field(ge=0, le=100)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    stop: Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=16)
+    ] = []
 
 
 def _explain(exc: ValidationError) -> str:
@@ -109,6 +118,20 @@ def to_generation_request(
     prompt: str, interval_ms: float, max_tokens: int | None
 ) -> GenerationRequest:
     return GenerationRequest(prompt=prompt, max_tokens=max_tokens, interval_s=interval_ms / 1000)
+
+
+def generation_request(body: CreateStreamBody) -> GenerationRequest:
+    """The backend's view of a ``POST /v1/streams`` body."""
+    return GenerationRequest(
+        prompt=body.prompt,
+        max_tokens=body.max_tokens,
+        interval_s=body.interval_ms / 1000,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        stop=tuple(body.stop),
+    )
 
 
 def last_event_id(scope: Scope, query: dict[str, list[str]]) -> tuple[str, int] | None:

@@ -7,7 +7,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from sluice.errors import BadEventIdError, SluiceError
 from sluice.gateway.errors import response_for
-from sluice.gateway.requests import parse_create_stream, read_json_body, to_generation_request
+from sluice.gateway.requests import generation_request, parse_create_stream, read_json_body
 from sluice.gateway.settings import Settings
 from sluice.streams.hub import Stream, StreamHub
 from sluice.streams.ids import is_stream_id
@@ -37,7 +37,7 @@ class NativeApi:
             body = parse_create_stream(payload, self._settings)
             stream = await self._hub.create(
                 body.model or self._settings.default_model,
-                to_generation_request(body.prompt, body.interval_ms, body.max_tokens),
+                generation_request(body),
                 resumable=body.resumable,
                 grace_s=body.grace_s,
             )
