@@ -3,5 +3,13 @@
 from __future__ import annotations
 
 from sluice.engine.models.gpt2 import GPT2Config, GPT2LMHeadModel, GPT2StepError, StepSequence
+from sluice.engine.models.llama import LlamaConfig, LlamaForCausalLM
 
-__all__ = ["GPT2Config", "GPT2LMHeadModel", "GPT2StepError", "StepSequence"]
+__all__ = [
+    "GPT2Config",
+    "GPT2LMHeadModel",
+    "GPT2StepError",
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    "StepSequence",
+]
