@@ -102,3 +102,50 @@ def test_broken_checkpoints_say_what_is_wrong(
     (checkpoint_dir / "config.json").write_text(json.dumps({**config, "n_embd": 64}))
     with pytest.raises(CheckpointError, match="do not fit"):
         load_checkpoint(checkpoint_dir)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_llama_checkpoint_loads_by_name(checkpoint_dir: Path, tied: bool) -> None:
+    from sluice.engine.models.llama import LlamaConfig, LlamaForCausalLM
+
+    vocab = Tokenizer.from_file(checkpoint_dir / "tokenizer.json").vocab_size
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config)
+    state = model.state_dict()
+    if tied:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    (checkpoint_dir / "model.safetensors").unlink()
+    save_file(
+        {k: v.contiguous() for k, v in state.items()}, str(checkpoint_dir / "model.safetensors")
+    )
+    hf_config = {
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": tied,
+    }
+    (checkpoint_dir / "config.json").write_text(json.dumps(hf_config))
+    checkpoint = load_checkpoint(checkpoint_dir)
+    assert isinstance(checkpoint.model, LlamaForCausalLM)
+    ids = torch.tensor(checkpoint.tokenizer.encode("The quick brown fox"))
+    n = len(ids)
+    step = [StepSequence(0, n, n, list(range(num_blocks_for(n, 8))))]
+    with torch.inference_mode():
+        ours = checkpoint.model(ids, torch.arange(n), step, checkpoint.model.make_kv_cache(8, 8))
+        theirs = model(ids, torch.arange(n), step, model.make_kv_cache(8, 8))
+    torch.testing.assert_close(ours, theirs)
