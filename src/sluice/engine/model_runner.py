@@ -3,7 +3,7 @@
 The scheduler speaks in sequences and token counts; the model speaks in packed tensors. For
 each item of a :class:`~sluice.engine.scheduler.ScheduledBatch` the runner takes the tokens
 ``[num_computed_tokens, num_computed_tokens + num_new_tokens)`` of its sequence, at those
-positions, and describes the slice with a :class:`~sluice.engine.models.gpt2.StepSequence`
+positions, and describes the slice with a :class:`~sluice.engine.models.step.StepSequence`
 whose ``context_len`` is ``num_computed_tokens + num_new_tokens`` and whose ``block_table``
 is the sequence's. Logits come back only for the items that sample (a prefill chunk that
 stops short of the end of the prompt samples nothing).
@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from sluice.engine.kv_cache import KVCache
-from sluice.engine.models.gpt2 import StepSequence
+from sluice.engine.models.step import StepSequence
 from sluice.engine.scheduler import ScheduledBatch
 from sluice.engine.sequence import SequenceStatus
 

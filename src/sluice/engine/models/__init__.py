@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from sluice.engine.models.gpt2 import GPT2Config, GPT2LMHeadModel, GPT2StepError, StepSequence
+from sluice.engine.models.gpt2 import GPT2Config, GPT2LMHeadModel, GPT2StepError
 from sluice.engine.models.llama import LlamaConfig, LlamaForCausalLM
+from sluice.engine.models.step import StepError, StepSequence
 
 __all__ = [
     "GPT2Config",
@@ -11,5 +12,6 @@ __all__ = [
     "GPT2StepError",
     "LlamaConfig",
     "LlamaForCausalLM",
+    "StepError",
     "StepSequence",
 ]

@@ -31,13 +31,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.engine.kv_cache import KVCache, num_blocks_for
+from sluice.engine.kv_cache import KVCache
+from sluice.engine.models.step import (
+    StepError,
+    StepSequence,
+    check_step,
+    last_token_indices,
+    packed_slots,
+)
 
 __all__ = ["GPT2Config", "GPT2LMHeadModel", "GPT2StepError", "StepSequence"]
 
 
-class GPT2StepError(ValueError):
-    """The packed inputs of a step do not fit together (shapes, slices or block tables)."""
+GPT2StepError = StepError  # the name this module first had
 
 
 @dataclass(frozen=True)
@@ -87,37 +93,6 @@ class GPT2Config:
                 raise ValueError(f"layer_norm_epsilon must be a number, got {epsilon!r}")
             values["layer_norm_epsilon"] = float(epsilon)
         return cls(**values)  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True)
-class StepSequence:
-    """One sequence's share of a step's packed tokens.
-
-    ``input_ids[start : start + num_new_tokens]`` are its new tokens; ``context_len`` counts
-    the tokens in the cache after this step, new ones included, so the new tokens sit at
-    positions ``context_len - num_new_tokens .. context_len - 1``. ``block_table`` must
-    cover ``context_len`` positions.
-    """
-
-    start: int
-    num_new_tokens: int
-    context_len: int
-    block_table: Sequence[int]
-
-    def __post_init__(self) -> None:
-        if self.start < 0:
-            raise GPT2StepError(f"start must be >= 0, got {self.start}")
-        if self.num_new_tokens <= 0:
-            raise GPT2StepError(f"num_new_tokens must be positive, got {self.num_new_tokens}")
-        if self.context_len < self.num_new_tokens:
-            raise GPT2StepError(
-                f"context_len {self.context_len} < num_new_tokens {self.num_new_tokens}"
-            )
-
-    @property
-    def end(self) -> int:
-        """One past the index of its last new token in the packed inputs."""
-        return self.start + self.num_new_tokens
 
 
 class Conv1D(nn.Module):
@@ -266,55 +241,22 @@ class GPT2LMHeadModel(nn.Module):
         slices in order and cover every token. ``positions[seq.start : seq.end]`` must be
         ``context_len - num_new_tokens .. context_len - 1`` for each sequence.
         """
-        self._check_step(input_ids, positions, seqs, kv_cache)
-        slots = torch.cat(
-            [kv_cache.slot_mapping(seq.block_table, positions[seq.start : seq.end]) for seq in seqs]
+        config = self.config
+        check_step(
+            input_ids,
+            positions,
+            seqs,
+            kv_cache,
+            num_layers=config.n_layer,
+            num_kv_heads=config.n_head,
+            head_dim=config.head_dim,
+            max_positions=config.n_positions,
         )
+        slots = packed_slots(positions, seqs, kv_cache)
         transformer = self.transformer
         hidden: torch.Tensor = transformer.wte(input_ids) + transformer.wpe(positions)
         for block in transformer.h:
             hidden = block(hidden, positions, slots, seqs, kv_cache)
-        last_indices = torch.tensor([seq.end - 1 for seq in seqs], device=hidden.device)
-        logits: torch.Tensor = self.lm_head(transformer.ln_f(hidden[last_indices]))
+        last = last_token_indices(seqs, hidden.device)
+        logits: torch.Tensor = self.lm_head(transformer.ln_f(hidden[last]))
         return logits
-
-    def _check_step(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        seqs: Sequence[StepSequence],
-        kv_cache: KVCache,
-    ) -> None:
-        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
-            raise GPT2StepError(
-                f"input_ids and positions must be 1-D and equal in shape, got "
-                f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
-            )
-        if not seqs:
-            raise GPT2StepError("a step needs at least one sequence")
-        if kv_cache.num_layers != self.config.n_layer:
-            raise GPT2StepError(
-                f"kv_cache has {kv_cache.num_layers} layers, model has {self.config.n_layer}"
-            )
-        num_packed_tokens = 0
-        for index, seq in enumerate(seqs):
-            if seq.start != num_packed_tokens:
-                raise GPT2StepError(
-                    f"sequence {index} starts at {seq.start}, expected {num_packed_tokens}"
-                )
-            if seq.context_len > self.config.n_positions:
-                raise GPT2StepError(
-                    f"sequence {index} context_len {seq.context_len} exceeds n_positions "
-                    f"{self.config.n_positions}"
-                )
-            num_needed_blocks = num_blocks_for(seq.context_len, kv_cache.block_size)
-            if len(seq.block_table) < num_needed_blocks:
-                raise GPT2StepError(
-                    f"sequence {index} needs {num_needed_blocks} blocks for context_len "
-                    f"{seq.context_len}, block_table has {len(seq.block_table)}"
-                )
-            num_packed_tokens = seq.end
-        if num_packed_tokens != input_ids.shape[0]:
-            raise GPT2StepError(
-                f"sequences cover {num_packed_tokens} tokens, input_ids has {input_ids.shape[0]}"
-            )

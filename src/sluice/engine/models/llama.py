@@ -1,7 +1,7 @@
 """Llama as a paged-attention decoder: one engine step over many sequences' packed tokens.
 
 Same step design as :mod:`sluice.engine.models.gpt2` (packed 1-D ``input_ids`` and
-``positions``, one :class:`~sluice.engine.models.gpt2.StepSequence` per sequence, logits of
+``positions``, one :class:`~sluice.engine.models.step.StepSequence` per sequence, logits of
 each sequence's last new token), so the engine can run either model.
 
 Parameter names match Hugging Face ``LlamaForCausalLM`` state dicts
@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sluice.engine.kv_cache import KVCache, num_blocks_for
-from sluice.engine.models.gpt2 import GPT2StepError, StepSequence
+from sluice.engine.kv_cache import KVCache
+from sluice.engine.models.step import StepSequence, check_step, last_token_indices, packed_slots
 
 __all__ = ["LlamaConfig", "LlamaForCausalLM"]
 
@@ -290,7 +290,7 @@ class LlamaForCausalLM(nn.Module):
     """Llama with its LM head, run one packed engine step at a time.
 
     Call under ``torch.inference_mode()``; the cache is passed to every ``forward``.
-    Step errors raise :class:`~sluice.engine.models.gpt2.GPT2StepError`, as for GPT-2.
+    Step errors raise :class:`~sluice.engine.models.step.StepError`, as for GPT-2.
     """
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -337,66 +337,24 @@ class LlamaForCausalLM(nn.Module):
         slices in order and cover every token. ``positions[seq.start : seq.end]`` must be
         ``context_len - num_new_tokens .. context_len - 1`` for each sequence.
         """
-        self._check_step(input_ids, positions, seqs, kv_cache)
-        slots = torch.cat(
-            [kv_cache.slot_mapping(seq.block_table, positions[seq.start : seq.end]) for seq in seqs]
+        config = self.config
+        check_step(
+            input_ids,
+            positions,
+            seqs,
+            kv_cache,
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=config.kv_heads,
+            head_dim=config.head_dim,
+            max_positions=config.n_positions,
         )
+        slots = packed_slots(positions, seqs, kv_cache)
         hidden: torch.Tensor = self.model.embed_tokens(input_ids)
         cos, sin = rotary_cos_sin(
             positions, self.config.head_dim, self.config.rope_theta, hidden.dtype
         )
         for layer in self.model.layers:
             hidden = layer(hidden, positions, cos, sin, slots, seqs, kv_cache)
-        last_indices = torch.tensor([seq.end - 1 for seq in seqs], device=hidden.device)
-        logits: torch.Tensor = self.lm_head(self.model.norm(hidden[last_indices]))
+        last = last_token_indices(seqs, hidden.device)
+        logits: torch.Tensor = self.lm_head(self.model.norm(hidden[last]))
         return logits
-
-    def _check_step(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        seqs: Sequence[StepSequence],
-        kv_cache: KVCache,
-    ) -> None:
-        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
-            raise GPT2StepError(
-                f"input_ids and positions must be 1-D and equal in shape, got "
-                f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
-            )
-        if not seqs:
-            raise GPT2StepError("a step needs at least one sequence")
-        num_layers = self.config.num_hidden_layers
-        if kv_cache.num_layers != num_layers:
-            raise GPT2StepError(
-                f"kv_cache has {kv_cache.num_layers} layers, model has {num_layers}"
-            )
-        if (kv_cache.num_kv_heads, kv_cache.head_dim) != (
-            self.config.kv_heads,
-            self.config.head_dim,
-        ):
-            raise GPT2StepError(
-                f"kv_cache holds {kv_cache.num_kv_heads} heads of dim {kv_cache.head_dim}, "
-                f"model needs {self.config.kv_heads} of dim {self.config.head_dim}"
-            )
-        num_packed_tokens = 0
-        for index, seq in enumerate(seqs):
-            if seq.start != num_packed_tokens:
-                raise GPT2StepError(
-                    f"sequence {index} starts at {seq.start}, expected {num_packed_tokens}"
-                )
-            if seq.context_len > self.config.n_positions:
-                raise GPT2StepError(
-                    f"sequence {index} context_len {seq.context_len} exceeds "
-                    f"max_position_embeddings {self.config.n_positions}"
-                )
-            num_needed_blocks = num_blocks_for(seq.context_len, kv_cache.block_size)
-            if len(seq.block_table) < num_needed_blocks:
-                raise GPT2StepError(
-                    f"sequence {index} needs {num_needed_blocks} blocks for context_len "
-                    f"{seq.context_len}, block_table has {len(seq.block_table)}"
-                )
-            num_packed_tokens = seq.end
-        if num_packed_tokens != input_ids.shape[0]:
-            raise GPT2StepError(
-                f"sequences cover {num_packed_tokens} tokens, input_ids has {input_ids.shape[0]}"
-            )
