@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from sluice.backends.base import GenerationRequest
 from sluice.backends.engine import EngineBackend
@@ -25,6 +23,7 @@ from sluice.engine.tokenizer import Tokenizer
 from sluice.errors import BadRequestError, CapacityError
 from sluice.events import Finished, FinishReason, NeutralEvent, Started, TextDelta, Usage
 from sluice.streams import HubSettings, MemoryEventLog, Reader, StreamHub, StreamState
+from tests.tiny_tokenizer import train_tokenizer
 
 pytestmark = pytest.mark.anyio
 
@@ -46,17 +45,7 @@ class Setup:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
     path: Path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    hf = HFTokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    hf.train_from_iterator(CORPUS, trainer)
-    hf.save(str(path))
+    train_tokenizer(path, CORPUS)
     tokenizer = Tokenizer.from_file(path)
     torch.manual_seed(0)
     config = GPT2Config(

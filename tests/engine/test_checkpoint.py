@@ -8,14 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from sluice.engine.detokenizer import IncrementalDetokenizer
 from sluice.engine.kv_cache import num_blocks_for
 from sluice.engine.loader import CheckpointError, load_checkpoint
 from sluice.engine.models.gpt2 import GPT2Config, GPT2LMHeadModel, StepSequence
 from sluice.engine.tokenizer import Tokenizer
+from tests.tiny_tokenizer import train_tokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -24,24 +23,10 @@ CORPUS = [
 ] * 20
 
 
-def train_tokenizer(path: Path) -> None:
-    tokenizer = HFTokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(CORPUS, trainer)
-    tokenizer.save(str(path))
-
-
 @pytest.fixture
 def checkpoint_dir(tmp_path: Path) -> Path:
     torch.manual_seed(0)
-    train_tokenizer(tmp_path / "tokenizer.json")
+    train_tokenizer(tmp_path / "tokenizer.json", CORPUS)
     vocab = Tokenizer.from_file(tmp_path / "tokenizer.json").vocab_size
     config = GPT2Config(vocab_size=vocab, n_positions=64, n_embd=32, n_layer=2, n_head=4)
     model = GPT2LMHeadModel(config)

@@ -10,12 +10,12 @@ import orjson
 import pytest
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from sluice.engine.models.gpt2 import GPT2Config, GPT2LMHeadModel
+from sluice.engine.tokenizer import Tokenizer
 from sluice.sse import Decoder
 from tests.server import ServerProcess
+from tests.tiny_tokenizer import train_tokenizer
 
 CORPUS = ["The quick brown fox jumps over the lazy dog. Streams of tokens arrive."] * 30
 
@@ -24,21 +24,10 @@ CORPUS = ["The quick brown fox jumps over the lazy dog. Streams of tokens arrive
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("ckpt") / "tiny-test"
     directory.mkdir()
-    tokenizer = HFTokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(CORPUS, trainer)
-    tokenizer.save(str(directory / "tokenizer.json"))
+    train_tokenizer(directory / "tokenizer.json", CORPUS)
+    vocab_size = Tokenizer.from_file(directory / "tokenizer.json").vocab_size
     torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=tokenizer.get_vocab_size(), n_positions=128, n_embd=32, n_layer=2, n_head=4
-    )
+    config = GPT2Config(vocab_size=vocab_size, n_positions=128, n_embd=32, n_layer=2, n_head=4)
     model = GPT2LMHeadModel(config)
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(state, str(directory / "model.safetensors"))
