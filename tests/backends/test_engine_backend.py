@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
 from sluice.backends.base import GenerationRequest
 from sluice.backends.engine import EngineBackend
@@ -22,7 +21,9 @@ from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.tokenizer import Tokenizer
 from sluice.errors import BadRequestError, CapacityError
 from sluice.events import Finished, FinishReason, NeutralEvent, Started, TextDelta, Usage
-from sluice.streams import HubSettings, MemoryEventLog, Reader, StreamHub, StreamState
+from sluice.streams import HubSettings, MemoryEventLog, StreamHub, StreamState
+from tests.engine.tiny_models import varied_gpt2
+from tests.streams.reading import read_until, read_until_done
 from tests.tiny_tokenizer import train_tokenizer
 
 pytestmark = pytest.mark.anyio
@@ -47,18 +48,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
     path: Path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     train_tokenizer(path, CORPUS)
     tokenizer = Tokenizer.from_file(path)
-    torch.manual_seed(0)
     config = GPT2Config(
         vocab_size=tokenizer.vocab_size, n_positions=128, n_embd=32, n_layer=2, n_head=4
     )
-    model = GPT2LMHeadModel(config).eval()
-    with torch.no_grad():  # large weights: greedy output varies
-        for name, param in model.named_parameters():
-            if "ln_" in name and name.endswith(".weight"):
-                param.copy_(1 + 0.1 * torch.randn_like(param))
-            else:
-                param.copy_(0.3 * torch.randn_like(param))
-    return Setup(model, tokenizer)
+    return Setup(varied_gpt2(config), tokenizer)
 
 
 def make_engine(setup: Setup, *, max_waiting: int = 16) -> Engine:
@@ -110,32 +103,8 @@ async def running(setup: Setup, params: SamplingParams) -> AsyncIterator[Running
             yield Running(hub, driver)
 
 
-async def read_until_done(reader: Reader, timeout_s: float = 10.0) -> list[NeutralEvent]:
-    return await read_until(reader, lambda seen: reader.done, timeout_s)
-
-
 def text_events(events: list[NeutralEvent]) -> list[TextDelta]:
     return [e for e in events if isinstance(e, TextDelta)]
-
-
-async def read_until(
-    reader: Reader, enough: Callable[[list[NeutralEvent]], bool], timeout_s: float = 10.0
-) -> list[NeutralEvent]:
-    """Events the reader gets until ``enough(events)`` or the stream's end."""
-    events: list[NeutralEvent] = []
-    loop = asyncio.get_running_loop()
-    async with asyncio.timeout(timeout_s):
-        while not reader.done and not enough(events):
-            batch = reader.read(100)
-            events.extend(batch.events)
-            if not batch.events:
-                waiter: asyncio.Future[None] = loop.create_future()
-                reader.watch(waiter)
-                try:
-                    await waiter
-                finally:
-                    reader.unwatch(waiter)
-    return events
 
 
 def text_of(events: list[NeutralEvent]) -> str:

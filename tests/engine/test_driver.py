@@ -14,7 +14,6 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
-import torch
 
 from sluice.engine import BlockManagerStats, QueueFullError
 from sluice.engine.driver import (
@@ -26,6 +25,7 @@ from sluice.engine.driver import (
 from sluice.engine.engine import Engine, EngineConfig, RequestOutput
 from sluice.engine.models import GPT2Config, GPT2LMHeadModel
 from sluice.engine.sampling_params import SamplingParams
+from tests.engine.tiny_models import ascii_bytes, varied_gpt2
 
 pytestmark = pytest.mark.anyio
 
@@ -39,22 +39,9 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def ascii_bytes(token: int) -> bytes:
-    return bytes([33 + token % 90])
-
-
 @pytest.fixture(scope="module")
 def model() -> GPT2LMHeadModel:
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(MODEL_CONFIG).eval()
-    # Weights far larger than GPT-2's init, so greedy decoding does not repeat one token.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "ln_" in name and name.endswith(".weight"):
-                param.copy_(1 + 0.1 * torch.randn_like(param))
-            else:
-                param.copy_(0.3 * torch.randn_like(param))
-    return model
+    return varied_gpt2(MODEL_CONFIG)
 
 
 def make_engine(model: GPT2LMHeadModel, *, max_waiting: int = 64) -> Engine:

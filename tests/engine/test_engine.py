@@ -18,27 +18,15 @@ from sluice.engine import QueueFullError
 from sluice.engine.engine import Engine, EngineConfig, RequestOutput
 from sluice.engine.models import GPT2Config, GPT2LMHeadModel, StepSequence
 from sluice.engine.sampling_params import SamplingParams
+from tests.engine.tiny_models import ascii_bytes, varied_gpt2
 
 MODEL_CONFIG = GPT2Config(vocab_size=101, n_positions=256, n_embd=64, n_layer=2, n_head=4)
 BLOCK_SIZE = 4
 
 
-def ascii_bytes(token: int) -> bytes:
-    return bytes([33 + token % 90])
-
-
 @pytest.fixture(scope="module")
 def model() -> GPT2LMHeadModel:
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(MODEL_CONFIG).eval()
-    # Weights far larger than GPT-2's init, so greedy decoding does not repeat one token.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "ln_" in name and name.endswith(".weight"):
-                param.copy_(1 + 0.1 * torch.randn_like(param))
-            else:
-                param.copy_(0.3 * torch.randn_like(param))
-    return model
+    return varied_gpt2(MODEL_CONFIG)
 
 
 def make_engine(

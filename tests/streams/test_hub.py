@@ -15,8 +15,9 @@ from sluice.errors import (
     StreamNotFoundError,
 )
 from sluice.events import Error, Finished, FinishReason, NeutralEvent, Started, TextDelta, Usage
-from sluice.streams import HubSettings, MemoryEventLog, Reader, StreamHub, StreamState
+from sluice.streams import HubSettings, MemoryEventLog, StreamHub, StreamState
 from sluice.streams.state import next_state
+from tests.streams.reading import read_until_done
 
 pytestmark = pytest.mark.anyio
 
@@ -32,24 +33,6 @@ class RecordingWords(WordsBackend):
         generation = super().generate(request)
         self.generations.append(generation)
         return generation
-
-
-async def read_until_done(reader: Reader, timeout_s: float = 10.0) -> list[NeutralEvent]:
-    """Every event the reader gets until the terminal one."""
-    events: list[NeutralEvent] = []
-    loop = asyncio.get_running_loop()
-    async with asyncio.timeout(timeout_s):
-        while not reader.done:
-            batch = reader.read(100)
-            events.extend(batch.events)
-            if not batch.events:
-                waiter: asyncio.Future[None] = loop.create_future()
-                reader.watch(waiter)
-                try:
-                    await waiter
-                finally:
-                    reader.unwatch(waiter)
-    return events
 
 
 def texts(events: list[NeutralEvent]) -> str:
