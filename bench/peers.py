@@ -58,6 +58,7 @@ def ours_command(port: int, *options: str) -> list[str]:
         str(port),
         "--log-level",
         "warning",
+        "--no-model",  # the words path is what these tests measure
         *options,
     ]
 
@@ -73,6 +74,7 @@ def tick_command(port: int, *options: str) -> list[str]:
         str(port),
         "--log-level",
         "warning",
+        "--no-model",
         *options,
     ]
 

@@ -1,7 +1,7 @@
 """Train the bundled tiny GPT-2 (and its draft model) on the Python standard library's docs.
 
-Everything is offline: the corpus is the plain-text ``pydoc`` documentation of the standard
-library modules of the running Python, the tokenizer is a byte-level BPE trained on it with
+Everything is offline: the corpus is the docstrings of the running Python's standard library
+(the prose ``pydoc`` shows), the tokenizer is a byte-level BPE trained on it with
 ``tokenizers``, and the model is :class:`sluice.engine.models.gpt2.GPT2LMHeadModel` trained
 with a dense causal forward written here (the engine's own forward is the paged inference
 path). The result is saved in Hugging Face format (``config.json``, ``model.safetensors``
@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
+import inspect
 import io
 import json
 import math
 import pkgutil
-import pydoc
 import random
 import sys
 import time
@@ -38,27 +39,64 @@ from sluice.engine.models.gpt2 import GPT2Config, GPT2LMHeadModel
 EOS = "<|endoftext|>"
 
 
-def stdlib_docs(max_chars: int) -> list[str]:
-    """The plain-text pydoc pages of the standard library's top-level modules."""
+SKIP_PACKAGES = {"idlelib", "tkinter", "turtle", "turtledemo", "test", "lib2to3", "ensurepip"}
+
+
+def stdlib_modules() -> list[str]:
+    """The standard library's public modules and subpackages, sorted."""
     stdlib = set(sys.stdlib_module_names)
-    names = sorted(m.name for m in pkgutil.iter_modules() if m.name in stdlib)
-    pages: list[str] = []
-    total = 0
-    for name in names:
-        if name.startswith("_") or name in {"antigravity", "this", "idlelib", "tkinter", "turtle"}:
+    names: set[str] = set()
+    for info in pkgutil.iter_modules():
+        if info.name not in stdlib or info.name.startswith("_") or info.name in SKIP_PACKAGES:
             continue
+        names.add(info.name)
+        if info.ispkg:
+            with contextlib.suppress(Exception):
+                package = importlib.import_module(info.name)
+                for sub in pkgutil.walk_packages(package.__path__, info.name + "."):
+                    if "test" not in sub.name and "._" not in sub.name:
+                        names.add(sub.name)
+    return sorted(names - {"antigravity", "this"})
+
+
+def stdlib_docs(max_chars: int) -> list[str]:
+    """The docstrings (the prose that ``pydoc`` shows) of the standard library.
+
+    Module, class, function and method docstrings of at least 80 characters, each once, in a
+    fixed order, so the corpus is the same on every machine with the same Python.
+    """
+    docs: list[str] = []
+    seen: set[str] = set()
+    total = 0
+
+    def add(obj: object) -> None:
+        nonlocal total
+        doc = inspect.getdoc(obj)
+        if doc and len(doc) >= 80 and doc not in seen:
+            seen.add(doc)
+            docs.append(doc)
+            total += len(doc)
+
+    for name in stdlib_modules():
         try:
             with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
                 warnings.simplefilter("ignore")
-                module = __import__(name)
-                text = pydoc.render_doc(module, renderer=pydoc.plaintext)
+                module = importlib.import_module(name)
         except Exception:  # a module that cannot be imported here is simply skipped
             continue
-        pages.append(text)
-        total += len(text)
+        add(module)
+        for key, value in vars(module).items():
+            if key.startswith("_"):
+                continue
+            if inspect.isclass(value) or inspect.isroutine(value):
+                add(value)
+            if inspect.isclass(value):
+                for attr, member in vars(value).items():
+                    if not attr.startswith("_") or attr == "__init__":
+                        add(member)
         if total >= max_chars:
             break
-    return pages
+    return docs
 
 
 def train_tokenizer(pages: list[str], vocab_size: int) -> Tokenizer:
@@ -95,6 +133,14 @@ def dense_logits(model: GPT2LMHeadModel, ids: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+@torch.no_grad()
+def greedy(model: GPT2LMHeadModel, tokenizer: Tokenizer, prompt: str, tokens: int) -> str:
+    ids = tokenizer.encode(prompt).ids
+    for _ in range(tokens):
+        ids.append(int(dense_logits(model, torch.tensor([ids]))[0, -1].argmax()))
+    return str(tokenizer.decode(ids))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="output checkpoint directory")
@@ -107,8 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpus-chars", type=int, default=6_000_000)
     parser.add_argument("--minutes", type=float, default=30.0, help="training time budget")
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
 
@@ -133,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         n_head=args.heads,
     )
     model = GPT2LMHeadModel(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     deadline = time.monotonic() + args.minutes * 60
     step = 0
     model.train()
@@ -146,12 +195,17 @@ def main(argv: list[str] | None = None) -> int:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         progress = 1 - (deadline - time.monotonic()) / (args.minutes * 60)
-        for group in optimizer.param_groups:  # cosine decay over the time budget
-            group["lr"] = 3e-3 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        for group in optimizer.param_groups:  # warm-up, then cosine decay over the budget
+            warm = min(1.0, (step + 1) / 100)
+            group["lr"] = args.lr * warm * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
         optimizer.step()
         step += 1
         if step % 50 == 0:
             print(f"step {step} loss {loss.item():.3f}", flush=True)
+
+    model.eval()
+    for prompt in ("Return the", "The socket"):
+        print(f"sample: {prompt!r} -> {greedy(model, tokenizer, prompt, 40)!r}", flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)
     state = {

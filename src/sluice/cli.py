@@ -25,7 +25,10 @@ from sluice.gateway.app import create_app
 from sluice.gateway.protocol import SluiceHttpProtocol
 from sluice.gateway.settings import Settings
 
-__all__ = ["build_parser", "main"]
+__all__ = ["BUNDLED_MODEL", "build_parser", "main"]
+
+# The tiny GPT-2 the repository ships (see scripts/train_tiny_model.py), served by default.
+BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "sluice-tiny"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,11 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--model",
         type=Path,
-        default=None,
+        default=BUNDLED_MODEL,
         metavar="PATH",
-        help="serve this Hugging Face-format GPT-2 checkpoint directory (config.json, "
-        "*.safetensors, tokenizer.json) with the embedded engine, under the directory's "
-        "name, as the default model",
+        help="serve this Hugging Face-format GPT-2 or Llama checkpoint directory "
+        "(config.json, *.safetensors, tokenizer.json) with the embedded engine, under the "
+        "directory's name, as the default model (the bundled model is 'sluice-tiny')",
+    )
+    serve.add_argument(
+        "--no-model",
+        action="store_true",
+        help="load no model: serve only the 'words' demo backend",
     )
     serve.add_argument(
         "--kv-blocks",
@@ -217,7 +225,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     backends: dict[str, Backend] = {}
     resources: list[contextlib.AbstractAsyncContextManager[object]] = []
-    if args.model is not None:
+    if not args.no_model:
         try:
             name, backend, driver = _embedded_engine(args)
         except (OSError, ValueError) as exc:

@@ -118,6 +118,38 @@ async def test_abort_mid_stream_ends_the_stream_and_frees_every_block(
     assert await driver.call(lambda engine: engine.num_requests) == 0
 
 
+class _AbortClock(Engine):
+    """The engine, noting how many steps had ended when each abort was applied."""
+
+    aborted_at_step: dict[int, int]
+
+    def abort(self, request_id: int) -> bool:
+        self.aborted_at_step[request_id] = self.num_steps
+        return super().abort(request_id)
+
+
+async def test_abort_frees_the_blocks_by_the_end_of_the_step_in_progress(
+    model: GPT2LMHeadModel,
+) -> None:
+    """Aborts sent at random moments of a busy engine are applied before the next step
+    starts: at most one step (the one in progress) ends between sending and freeing."""
+    config = make_engine(model).config
+    engine = _AbortClock(model, config, eos_token_id=None, token_bytes=ascii_bytes)
+    engine.aborted_at_step = {}
+    async with AsyncEngine(engine) as driver:
+        streams = [await driver.add_request([i + 1] * (5 + i), LONG) for i in range(8)]
+        for stream in streams:
+            await anext(stream)  # every request is decoding
+        for stream in streams:
+            await asyncio.sleep(0.001 * (stream.request_id % 3))  # vary the phase
+            steps_sent = engine.num_steps  # an int read: the step in progress is not counted
+            assert await driver.abort(stream.request_id)
+            assert engine.aborted_at_step[stream.request_id] - steps_sent <= 1
+            assert not await driver.abort(stream.request_id)  # gone, blocks with it
+            await collect(stream)
+        assert (await stats(driver)).num_used_blocks == 0
+
+
 async def test_event_loop_keeps_ticking_while_the_engine_steps(driver: AsyncEngine) -> None:
     gaps: list[float] = []
     done = asyncio.Event()

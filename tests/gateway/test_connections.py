@@ -34,7 +34,8 @@ def test_a_reader_that_stops_reading_gets_everything_when_it_resumes(
     """The log absorbs what the client does not read; nothing is lost or reordered."""
     words = [f"w{i:06d}" for i in range(20_000)]  # ~1.9 MB of frames: far past the buffers
     created = httpx.post(
-        f"{server.base_url}/v1/streams", json={"prompt": " ".join(words), "interval_ms": 0}
+        f"{server.base_url}/v1/streams",
+        json={"model": "words", "prompt": " ".join(words), "interval_ms": 0},
     ).json()
     response = open_get(server.port, created["events_url"], receive_buffer_bytes=4096)
     # Read nothing while the producer runs to the end: the server's writes back up and it

@@ -1,4 +1,5 @@
-"""``sluice serve --model DIR``: a real checkpoint directory streamed by the embedded engine."""
+"""``sluice serve``: the bundled model by default, ``--model DIR`` for any checkpoint directory,
+streamed by the embedded engine; ``--no-model`` for the words demo alone."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from sluice.cli import BUNDLED_MODEL
+from sluice.engine.engine import Engine, EngineConfig
+from sluice.engine.loader import load_checkpoint
 from sluice.engine.models.gpt2 import GPT2Config, GPT2LMHeadModel
+from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.tokenizer import Tokenizer
 from sluice.sse import Decoder
 from tests.server import ServerProcess
@@ -72,3 +77,53 @@ def test_a_broken_model_directory_stops_serve_with_a_clear_message(tmp_path: Pat
     with ServerProcess("--model", str(tmp_path)) as server:
         assert server.process is not None
         assert server.process.wait(timeout=60) == 2
+
+
+def test_the_bundled_model_is_the_default_and_streams_the_engines_greedy_tokens(
+    server: ServerProcess,
+) -> None:
+    prompt, max_tokens = "Return the number of", 12
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    created = httpx.post(f"{server.base_url}/v1/streams", json=body).json()
+    assert created["model"] == "sluice-tiny"
+    raw = httpx.get(f"{server.base_url}{created['events_url']}", timeout=30).content
+    events = Decoder().feed(raw)
+    text = "".join(orjson.loads(e.data)["text"] for e in events if e.event == "token")
+
+    checkpoint = load_checkpoint(BUNDLED_MODEL)
+    config = EngineConfig(
+        num_blocks=16,
+        block_size=16,
+        max_num_seqs=1,
+        max_num_batched_tokens=64,
+        max_waiting=1,
+        max_model_len=64,
+    )
+    tokenizer = checkpoint.tokenizer
+    engine = Engine(
+        checkpoint.model,
+        config,
+        eos_token_id=tokenizer.eos_token_id,
+        token_bytes=tokenizer.token_bytes,
+    )
+    request_id = engine.add_request(
+        tokenizer.encode(prompt), SamplingParams(max_tokens=max_tokens, temperature=0)
+    )
+    expected, reason = "", None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            assert output.request_id == request_id
+            expected += output.new_text
+            reason = output.finish_reason
+    assert text == expected
+    assert text.strip()
+    assert "\ufffd" not in text
+    assert orjson.loads(events[-1].data) == {"reason": str(reason)}
+
+
+def test_no_model_serves_only_words() -> None:
+    with ServerProcess("--no-model") as server:
+        models_listed = httpx.get(f"{server.base_url}/v1/models", timeout=30).json()
+        assert [m["id"] for m in models_listed["data"]] == ["words"]
+        created = httpx.post(f"{server.base_url}/v1/streams", json={"prompt": "a b"}).json()
+        assert created["model"] == "words"

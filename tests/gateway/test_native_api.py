@@ -14,7 +14,7 @@ from tests.server import ServerProcess
 
 
 def create(server: ServerProcess, **body: object) -> dict[str, object]:
-    response = httpx.post(f"{server.base_url}/v1/streams", json=body)
+    response = httpx.post(f"{server.base_url}/v1/streams", json={"model": "words", **body})
     assert response.status_code == 201, response.text
     created: dict[str, object] = response.json()
     assert response.headers["location"] == f"/v1/streams/{created['id']}"
@@ -221,7 +221,7 @@ def test_cors_preflight_allows_last_event_id(server: ServerProcess) -> None:
 
 def test_models_health_and_page(server: ServerProcess) -> None:
     models = httpx.get(f"{server.base_url}/v1/models").json()
-    assert [m["id"] for m in models["data"]] == ["words"]
+    assert [m["id"] for m in models["data"]] == ["sluice-tiny", "words"]
     assert httpx.get(f"{server.base_url}/healthz").json() == {"status": "ok"}
     assert httpx.get(f"{server.base_url}/readyz").status_code == 200
     page = httpx.get(f"{server.base_url}/")

@@ -71,7 +71,8 @@ def test_resume_after_cuts_at_random_bytes_equals_the_uninterrupted_stream(
     rng = random.Random(seed)
     text = " ".join(f"word{i}" + "é" * rng.randrange(3) for i in range(40))
     response = httpx.post(
-        f"{server.base_url}/v1/streams", json={"prompt": text, "interval_ms": rng.choice([0, 3])}
+        f"{server.base_url}/v1/streams",
+        json={"model": "words", "prompt": text, "interval_ms": rng.choice([0, 3])},
     )
     stream_id = response.json()["id"]
     target = f"/v1/streams/{stream_id}/events"

@@ -15,7 +15,9 @@ from tests.server import ServerProcess
 
 
 def create(server: ServerProcess, prompt: str, **fields: object) -> str:
-    response = httpx.post(f"{server.base_url}/v1/streams", json={"prompt": prompt, **fields})
+    response = httpx.post(
+        f"{server.base_url}/v1/streams", json={"model": "words", "prompt": prompt, **fields}
+    )
     assert response.status_code == 201, response.text
     stream_id: str = response.json()["id"]
     return stream_id

@@ -148,6 +148,7 @@ class Engine:
         self.sampler = Sampler()
         self._requests: dict[int, _Request] = {}
         self._next_request_id = 0
+        self._num_steps = 0
 
     # -- stats ----------------------------------------------------------------------------
 
@@ -158,6 +159,11 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
+
+    @property
+    def num_steps(self) -> int:
+        """Steps completed (or failed) since the engine was made."""
+        return self._num_steps
 
     @property
     def num_requests(self) -> int:
@@ -225,6 +231,8 @@ class Engine:
                 self.abort(item.seq.seq_id)
             self.scheduler.postprocess(batch, {})
             raise
+        finally:
+            self._num_steps += 1
         self.scheduler.postprocess(batch, sampled, finished)
         for request_id in finished:
             self._requests.pop(request_id, None)

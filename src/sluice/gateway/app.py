@@ -115,13 +115,12 @@ def create_app(
     backends: Mapping[str, Backend] | None = None,
     resources: Sequence[contextlib.AbstractAsyncContextManager[object]] = (),
 ) -> SluiceApp:
-    """Build the app; the ``words`` backend is always served.
+    """Build the app; ``backends`` come first in ``/v1/models``, then ``words``, always served.
 
     ``resources`` are entered for the app's lifetime, before the hub starts (for example
     the driver thread of an embedded engine).
     """
     settings = settings or Settings()
-    served: dict[str, Backend] = {"words": WordsBackend()}
-    if backends:
-        served.update(backends)
+    served: dict[str, Backend] = {**(backends or {})}
+    served.setdefault("words", WordsBackend())
     return SluiceApp(settings, served, resources)

@@ -17,7 +17,8 @@ Deliberate divergences from Hugging Face ``LlamaForCausalLM``:
 
 1. No dropout, attention-mask/padding inputs or ``past_key_values``: the paged cache
    replaces them.
-2. ``rope_scaling`` is not supported (rejected by :meth:`LlamaConfig.from_hf_config`).
+2. ``rope_scaling``, a ``rope_type`` other than ``default``, and attention or MLP biases
+   are not supported (rejected by :meth:`LlamaConfig.from_hf_config`).
 3. Only the logits of each sequence's last new token are computed.
 """
 
@@ -114,7 +115,19 @@ class LlamaConfig:
             raise ValueError(f"unsupported hidden_act {activation!r}")
         if config.get("rope_scaling") is not None:
             raise ValueError(f"rope_scaling is not supported, got {config['rope_scaling']!r}")
+        for name in ("attention_bias", "mlp_bias"):
+            if config.get(name):
+                raise ValueError(f"{name} is not supported")
         values: dict[str, int | float | bool] = {}
+        # transformers 5 writes rope_theta inside rope_parameters; older files at the top.
+        rope = config.get("rope_parameters")
+        if rope is not None:
+            if not isinstance(rope, Mapping):
+                raise ValueError(f"rope_parameters must be an object, got {rope!r}")
+            if rope.get("rope_type", "default") != "default":
+                raise ValueError(f"rope_type {rope['rope_type']!r} is not supported")
+            if "rope_theta" in rope:
+                config = {**config, "rope_theta": rope["rope_theta"]}
         for name in _INT_FIELDS:
             value = config.get(name)
             if value is None:

@@ -1,0 +1,332 @@
+"""Engine throughput on the bundled model against ``transformers.generate``, in one run.
+
+What it measures (all greedy, EOS ignored so every request makes exactly ``--output``
+tokens, the same torch thread count for everyone):
+
+1. ours: the embedded :class:`~sluice.engine.engine.Engine` (continuous batching, paged KV
+   cache, chunked prefill), ``--requests`` requests of ``--prompt`` tokens added at once,
+   stepped until all finish, with the engine configuration ``sluice serve`` uses. Output
+   tokens/s over the whole run, and time to first token (from the moment all were added)
+   p50/p99.
+2. baseline "HF sequential": ``transformers`` ``generate(do_sample=False)`` on the same
+   checkpoint, one request at a time (``--sequential`` of them; tokens/s does not depend
+   on how many).
+3. baseline "HF static batch": one ``generate`` call over all requests, left-padded.
+4. abort-to-free: the engine under its :class:`~sluice.engine.driver.AsyncEngine` driver,
+   all requests decoding; ``--aborts`` requests are aborted at random moments and the time
+   from ``abort()`` to its reply (blocks free) is compared with the step time.
+
+The issue's targets: ours >= 3x HF sequential and >= 1.5x HF static batch; abort-to-free
+within one step. The first few greedy completions of ours and HF's are compared too (they
+must be equal; a mismatch is listed under "Problems").
+
+    .venv/bin/python bench/engine_throughput.py            # ~1-2 min on 2 vCPUs
+    .venv/bin/python bench/engine_throughput.py --quick    # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import importlib
+import inspect
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+
+from sluice.cli import BUNDLED_MODEL
+from sluice.engine.driver import AsyncEngine
+from sluice.engine.engine import Engine, EngineConfig
+from sluice.engine.loader import Checkpoint, load_checkpoint
+from sluice.engine.sampling_params import SamplingParams
+
+BLOCK_SIZE = 16  # as sluice serve
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+PROMPT_MODULES = ("argparse", "asyncio", "collections", "json", "logging", "pathlib", "socket")
+
+
+def make_prompts(checkpoint: Checkpoint, count: int, length: int, seed: int) -> list[list[int]]:
+    """``count`` different ``length``-token slices of some standard modules' docstrings."""
+    docs: list[str] = []
+    for name in PROMPT_MODULES:
+        module = importlib.import_module(name)
+        docs.append(inspect.getdoc(module) or "")
+        for attr in sorted(vars(module)):
+            if not attr.startswith("_"):
+                docs.append(inspect.getdoc(getattr(module, attr)) or "")
+    ids = checkpoint.tokenizer.encode("\n\n".join(d for d in docs if d))
+    rng = random.Random(seed)
+    return [
+        ids[start : start + length]
+        for start in (rng.randrange(len(ids) - length) for _ in range(count))
+    ]
+
+
+@dataclass
+class Run:
+    """One system's run over the same requests."""
+
+    tokens_per_s: float
+    elapsed_s: float
+    completions: list[list[int]] = field(repr=False)
+
+
+@dataclass
+class OursRun(Run):
+    ttft_p50_s: float = 0.0
+    ttft_p99_s: float = 0.0
+    step_p50_s: float = 0.0
+
+
+@dataclass
+class AbortRun:
+    abort_p50_s: float
+    abort_max_s: float
+    mean_step_s: float
+    max_steps_ended_before_reply: int
+    blocks_leaked: int
+
+
+def engine_config(args: argparse.Namespace, n_positions: int) -> EngineConfig:
+    return EngineConfig(
+        num_blocks=args.kv_blocks,
+        block_size=BLOCK_SIZE,
+        max_num_seqs=args.max_running,
+        max_num_batched_tokens=args.max_batched_tokens,
+        max_waiting=4 * args.max_running,
+        max_model_len=min(n_positions, args.kv_blocks * BLOCK_SIZE),
+    )
+
+
+def make_engine(checkpoint: Checkpoint, args: argparse.Namespace) -> Engine:
+    return Engine(
+        checkpoint.model,
+        engine_config(args, checkpoint.config.n_positions),
+        eos_token_id=checkpoint.tokenizer.eos_token_id,
+        token_bytes=checkpoint.tokenizer.token_bytes,
+    )
+
+
+def run_ours(checkpoint: Checkpoint, prompts: list[list[int]], args: argparse.Namespace) -> OursRun:
+    engine = make_engine(checkpoint, args)
+    params = SamplingParams(max_tokens=args.output, temperature=0, ignore_eos=True)
+    tokens: dict[int, list[int]] = {}
+    first: dict[int, float] = {}
+    step_s: list[float] = []
+    start = time.perf_counter()
+    ids = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        t1 = time.perf_counter()
+        step_s.append(t1 - t0)
+        for output in outputs:
+            first.setdefault(output.request_id, t1 - start)
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    elapsed = time.perf_counter() - start
+    made = sum(len(t) for t in tokens.values())
+    ttft = [first[i] for i in ids]
+    return OursRun(
+        made / elapsed,
+        elapsed,
+        [tokens[i] for i in ids],
+        ttft_p50_s=percentile(ttft, 50),
+        ttft_p99_s=percentile(ttft, 99),
+        step_p50_s=statistics.median(step_s),
+    )
+
+
+def load_hf(directory: Path) -> transformers.PreTrainedModel:
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # every request makes all its tokens
+    return model.eval()
+
+
+def hf_generate(
+    model: transformers.PreTrainedModel, prompts: list[list[int]], output: int, pad_id: int
+) -> list[list[int]]:
+    """One left-padded ``generate`` call over ``prompts``."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=output,
+            pad_token_id=pad_id,
+        )
+    return [row[width:].tolist() for row in out]
+
+
+def run_hf(
+    model: transformers.PreTrainedModel,
+    prompts: list[list[int]],
+    output: int,
+    pad_id: int,
+    *,
+    batched: bool,
+) -> Run:
+    """All ``prompts`` in one ``generate`` call, or one call per prompt."""
+    start = time.perf_counter()
+    if batched:
+        completions = hf_generate(model, prompts, output, pad_id)
+    else:
+        completions = [hf_generate(model, [p], output, pad_id)[0] for p in prompts]
+    elapsed = time.perf_counter() - start
+    return Run(sum(len(c) for c in completions) / elapsed, elapsed, completions)
+
+
+async def run_aborts(
+    checkpoint: Checkpoint, prompts: list[list[int]], args: argparse.Namespace
+) -> AbortRun:
+    """Abort requests of a busy engine at random moments; time each abort's reply."""
+    engine = make_engine(checkpoint, args)
+    params = SamplingParams(max_tokens=args.output, temperature=0, ignore_eos=True)
+    rng = random.Random(args.seed)
+    latencies: list[float] = []
+    steps_between: list[int] = []
+    async with AsyncEngine(engine) as driver:
+        streams = [await driver.add_request(p, params) for p in prompts]
+        for stream in streams:
+            await anext(stream)  # every request has its first token: all are decoding
+        start_steps, start = engine.num_steps, time.perf_counter()
+        for stream in rng.sample(streams, min(args.aborts, len(streams))):
+            await asyncio.sleep(rng.uniform(0, 0.05))
+            steps_sent = engine.num_steps
+            t0 = time.perf_counter()
+            assert await driver.abort(stream.request_id)
+            latencies.append(time.perf_counter() - t0)
+            steps_between.append(engine.num_steps - steps_sent)
+        step_s = (time.perf_counter() - start) / max(1, engine.num_steps - start_steps)
+        for stream in streams:
+            await driver.abort(stream.request_id)
+        stats = await driver.call(lambda e: e.block_manager_stats())
+    return AbortRun(
+        percentile(latencies, 50),
+        max(latencies),
+        step_s,
+        max(steps_between),
+        stats.num_used_blocks,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=BUNDLED_MODEL)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
+    parser.add_argument("--output", type=int, default=128, help="output tokens per request")
+    parser.add_argument("--sequential", type=int, default=16, help="requests HF runs one by one")
+    parser.add_argument("--aborts", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads for everyone")
+    parser.add_argument("--kv-blocks", type=int, default=1024)
+    parser.add_argument("--max-running", type=int, default=64)
+    parser.add_argument("--max-batched-tokens", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="8 requests of 32+32 tokens")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.requests, args.prompt, args.output, args.sequential, args.aborts = 8, 32, 32, 4, 4
+    torch.set_num_threads(args.threads)
+
+    checkpoint = load_checkpoint(args.model)
+    hf = load_hf(args.model)
+    pad_id = checkpoint.tokenizer.eos_token_id or 0
+    prompts = make_prompts(checkpoint, args.requests, args.prompt, args.seed)
+    print(
+        f"model {checkpoint.name}: {args.requests} requests x ({args.prompt} prompt + "
+        f"{args.output} output tokens), {args.threads} torch threads",
+        flush=True,
+    )
+    hf_generate(hf, prompts[:2], 4, pad_id)  # warm-up, both sides
+    run_ours(checkpoint, prompts[:2], argparse.Namespace(**{**vars(args), "output": 4}))
+
+    ours = run_ours(checkpoint, prompts, args)
+    print(f"ours: {ours.tokens_per_s:.0f} tok/s", flush=True)
+    sequential = run_hf(hf, prompts[: args.sequential], args.output, pad_id, batched=False)
+    print(f"HF sequential: {sequential.tokens_per_s:.0f} tok/s", flush=True)
+    batch = run_hf(hf, prompts, args.output, pad_id, batched=True)
+    print(f"HF static batch: {batch.tokens_per_s:.0f} tok/s", flush=True)
+    aborts = asyncio.run(run_aborts(checkpoint, prompts, args))
+
+    problems = []
+    for name, run in (("HF sequential", sequential), ("HF static batch", batch)):
+        same = sum(a == b for a, b in zip(ours.completions, run.completions, strict=False))
+        if same < len(run.completions):
+            problems.append(
+                f"{name}: {len(run.completions) - same} of {len(run.completions)} greedy "
+                "completions differ from ours"
+            )
+    if aborts.blocks_leaked:
+        problems.append(f"{aborts.blocks_leaked} KV blocks still used after every abort")
+
+    vs_seq = ours.tokens_per_s / sequential.tokens_per_s
+    vs_batch = ours.tokens_per_s / batch.tokens_per_s
+    one_step = aborts.max_steps_ended_before_reply <= 1
+    rows = [
+        ("output tokens/s, ours", f"{ours.tokens_per_s:.0f}", ""),
+        ("output tokens/s, HF sequential", f"{sequential.tokens_per_s:.0f}", ""),
+        ("output tokens/s, HF static batch", f"{batch.tokens_per_s:.0f}", ""),
+        ("ours / HF sequential", f"{vs_seq:.2f}x", _verdict(vs_seq >= 3, ">= 3x")),
+        ("ours / HF static batch", f"{vs_batch:.2f}x", _verdict(vs_batch >= 1.5, ">= 1.5x")),
+        ("TTFT p50 under load (ms)", _ms(ours.ttft_p50_s), ""),
+        ("TTFT p99 under load (ms)", _ms(ours.ttft_p99_s), ""),
+        ("engine step p50 (ms)", _ms(ours.step_p50_s), ""),
+        ("abort to blocks free p50 (ms)", _ms(aborts.abort_p50_s), ""),
+        ("abort to blocks free max (ms)", _ms(aborts.abort_max_s), ""),
+        ("mean step while aborting (ms)", _ms(aborts.mean_step_s), ""),
+        (
+            "steps ended between abort and free (max)",
+            str(aborts.max_steps_ended_before_reply),
+            _verdict(one_step, "<= 1"),
+        ),
+    ]
+    print("\n| metric | value | target |\n|---|---|---|")
+    for metric, value, target in rows:
+        print(f"| {metric} | {value} | {target} |")
+    if problems:
+        print("\nProblems:\n" + "\n".join(f"- {p}" for p in problems))
+    if args.json:
+        figures = {
+            name: {k: v for k, v in dataclasses.asdict(run).items() if k != "completions"}
+            for name, run in (
+                ("ours", ours),
+                ("hf_sequential", sequential),
+                ("hf_batch", batch),
+                ("aborts", aborts),
+            )
+        }
+        args.json.write_text(json.dumps({**figures, "problems": problems}, indent=2))
+    return 1 if problems else 0
+
+
+def _ms(seconds: float) -> str:
+    return f"{1000 * seconds:.1f}"
+
+
+def _verdict(ok: bool, target: str) -> str:
+    return f"{target}: {'PASS' if ok else 'MISS'}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
