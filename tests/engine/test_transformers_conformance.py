@@ -156,7 +156,9 @@ def test_batched_step_logits_match_transformers(
         positions = torch.cat(
             [torch.arange(len(p) - len(new), len(p)) for p, new in zip(prompts, news, strict=True)]
         )
-        logits = checkpoint.model(torch.tensor([t for new in news for t in new]), positions, steps, cache)
+        logits = checkpoint.model(
+            torch.tensor([t for new in news for t in new]), positions, steps, cache
+        )
     for row, p in zip(logits, prompts, strict=True):
         torch.testing.assert_close(row, _reference_logits(theirs, p)[-1], atol=ATOL, rtol=0)
 
