@@ -19,14 +19,27 @@ from typing import Protocol
 
 from sluice.events import FinishReason, TextDelta, ToolCallDelta, Usage
 
-__all__ = ["Backend", "Delta", "Generation", "GenerationRequest"]
+__all__ = ["Backend", "ChatMessage", "Delta", "Generation", "GenerationRequest"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """One message of a chat: ``role`` is ``system``, ``user``, ``assistant`` or ``tool``."""
+
+    role: str
+    content: str
 
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """What to generate. Backends ignore the fields that mean nothing to them."""
+    """What to generate. Backends ignore the fields that mean nothing to them.
+
+    A chat request sets ``messages``; a backend then renders them its own way (the engine
+    through its chat template, a proxy as an upstream chat request) and ignores ``prompt``.
+    """
 
     prompt: str
+    messages: tuple[ChatMessage, ...] | None = None
     max_tokens: int | None = None
     # Demo pacing for the ``words`` backend: seconds between tokens (0 = as fast as possible).
     interval_s: float = 0.0
