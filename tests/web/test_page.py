@@ -1,9 +1,13 @@
 """The browser page at ``/`` in real headless Chromium, against a real server.
 
-Each test drives the page as a user would (type, press buttons) and waits on the DOM,
-never on the clock: the page mirrors its state in ``document.body.dataset.state`` and
-exposes ``window.sluiceArrivals`` (when each token arrived), ``window.sluiceDuplicates``
+Each test drives the page as a user would (pick a model, type, press buttons) and waits on
+the DOM, never on the clock: the page mirrors its state in ``document.body.dataset.state``
+and exposes ``window.sluiceArrivals`` (when each token arrived), ``window.sluiceDuplicates``
 (tokens the server sent twice) and ``window.sluiceLastDrop`` (the drop endpoint's answer).
+
+The ``words`` model echoes the prompt at a set pace, so its tests can assert the exact
+text; the default model (the bundled ``sluice-tiny``) is checked for what any model's
+stream must satisfy.
 """
 
 from __future__ import annotations
@@ -22,8 +26,15 @@ pytestmark = pytest.mark.browser
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 
-# Deadline for any single wait on the page, in milliseconds.
-WAIT_MS = 15_000
+# Deadline for any single wait on the page, in milliseconds (generous: CI machines are busy).
+WAIT_MS = 30_000
+
+# The model ``sluice serve`` loads by default, and the demo backend it always serves.
+DEFAULT_MODEL = "sluice-tiny"
+WORDS = "words"
+# What the status pane shows for a value not known yet (an en dash).
+NO_VALUE = "\u2013"
+MODEL_PROMPT = "Return a new list containing all items from the iterable in ascending order."
 
 # 20 words, with a double space, a newline and a tab that must come back exactly.
 SHORT_TEXT = (
@@ -57,9 +68,18 @@ def page(browser: Browser, server: ServerProcess) -> Iterator[Page]:
     context.close()
 
 
-def _start(page: Page, text: str, interval_ms: int) -> None:
+def _start_words(page: Page, text: str, interval_ms: int) -> None:
+    page.select_option("#model", WORDS)
     page.fill("#prompt", text)
     page.fill("#interval", str(interval_ms))
+    page.click("#start")
+
+
+def _start_model(page: Page, prompt: str, max_tokens: int, temperature: float) -> None:
+    """Start a stream from the model selected by default."""
+    page.fill("#prompt", prompt)
+    page.fill("#max-tokens", str(max_tokens))
+    page.fill("#temperature", str(temperature))
     page.click("#start")
 
 
@@ -81,7 +101,7 @@ def _wait_tokens(page: Page, at_least: int) -> None:
 
 def test_page_streams_words_one_by_one_and_ends_with_the_exact_text(page: Page) -> None:
     assert page.title() == "Sluice"
-    _start(page, SHORT_TEXT, 50)
+    _start_words(page, SHORT_TEXT, 50)
 
     _wait_tokens(page, 3)
     partial = _text(page, "#output")
@@ -122,7 +142,7 @@ def test_page_resumes_after_server_drops_connection_twice_without_gap_or_duplica
     page: Page, server: ServerProcess
 ) -> None:
     num_words = _words(LONG_TEXT)
-    _start(page, LONG_TEXT, 40)
+    _start_words(page, LONG_TEXT, 40)
 
     _wait_tokens(page, 10)
     _drop_and_wait_for_reconnect(page, 1)
@@ -144,7 +164,7 @@ def test_page_resumes_after_server_drops_connection_twice_without_gap_or_duplica
 
 def test_page_stop_cancels_the_stream_midway(page: Page, server: ServerProcess) -> None:
     num_words = _words(LONG_TEXT)
-    _start(page, LONG_TEXT, 50)
+    _start_words(page, LONG_TEXT, 50)
 
     _wait_tokens(page, 5)
     page.click("#stop")
@@ -169,9 +189,91 @@ def test_page_stop_cancels_the_stream_midway(page: Page, server: ServerProcess) 
     assert second["events"] == first["events"]
 
 
-def test_page_shows_a_refused_request_as_a_connection_error(page: Page) -> None:
-    _start(page, SHORT_TEXT, -1)
+def _status(server: ServerProcess, stream_id: str) -> dict[str, object]:
+    response = httpx.get(f"{server.base_url}/v1/streams/{stream_id}", timeout=5)
+    response.raise_for_status()
+    status: dict[str, object] = response.json()
+    return status
+
+
+def test_page_shows_a_refused_request_with_the_servers_error_code_and_message(
+    page: Page,
+) -> None:
+    _start_words(page, SHORT_TEXT, -1)
+    _wait_state(page, "error:invalid_request")
+    assert "interval_ms" in _text(page, "#message")
+    assert _text(page, "#output") == ""
+    assert _text(page, "#stream-id") == NO_VALUE
+    assert page.is_enabled("#start")
+    assert page.is_disabled("#stop")
+
+
+def test_page_shows_an_unreachable_server_as_a_connection_error(page: Page) -> None:
+    page.route("**/v1/streams", lambda route: route.abort())
+    _start_words(page, SHORT_TEXT, 50)
     _wait_state(page, "error:connection")
+    assert _text(page, "#message")
     assert _text(page, "#output") == ""
     assert page.is_enabled("#start")
     assert page.is_disabled("#stop")
+
+
+def test_page_offers_the_servers_models_with_the_default_model_selected(page: Page) -> None:
+    page.wait_for_function("document.getElementById('model').options.length > 0")
+    options = page.eval_on_selector_all("#model option", "os => os.map(o => o.value)")
+    assert options[0] == DEFAULT_MODEL
+    assert WORDS in options
+    assert page.input_value("#model") == DEFAULT_MODEL
+    assert page.input_value("#max-tokens") == "64"
+    assert page.input_value("#temperature") == "0.8"
+
+
+def test_page_streams_the_default_models_tokens_until_max_tokens(
+    page: Page, server: ServerProcess
+) -> None:
+    page.wait_for_function("document.getElementById('model').options.length > 0")
+    assert page.input_value("#model") == DEFAULT_MODEL
+    _start_model(page, MODEL_PROMPT, 24, 0)
+
+    page.wait_for_function(
+        "v => document.getElementById('stream-id').textContent !== v", arg=NO_VALUE
+    )
+    stream_id = _text(page, "#stream-id")
+    assert re.fullmatch(r"str_\w+", stream_id)
+
+    _wait_state(page, "done:length")
+    output = _text(page, "#output")
+    num_tokens = int(_text(page, "#tokens"))
+    assert output
+    assert "\ufffd" not in output
+    # A token event can carry several model tokens (bytes of one character), never more.
+    assert 0 < num_tokens <= 24
+    assert _text(page, "#reconnects") == "0"
+    assert _text(page, "#message") == ""
+    assert re.fullmatch(r"\d+ ms", _text(page, "#ttft"))
+    assert page.evaluate("window.sluiceDuplicates") == 0
+    assert len(page.evaluate("window.sluiceArrivals")) == num_tokens
+
+    status = _status(server, stream_id)
+    assert status["model"] == DEFAULT_MODEL
+    assert status["state"] == "finished"
+    assert status["finish_reason"] == "length"
+    assert status["tokens"] == num_tokens
+
+
+def test_page_stop_cancels_a_model_stream_midway(page: Page, server: ServerProcess) -> None:
+    page.wait_for_function("document.getElementById('model').options.length > 0")
+    _start_model(page, MODEL_PROMPT, 200, 0.8)
+
+    _wait_tokens(page, 3)
+    page.click("#stop")
+    _wait_state(page, "done:cancelled")
+
+    shown_tokens = int(_text(page, "#tokens"))
+    assert 3 <= shown_tokens < 200
+    assert _text(page, "#output")
+    assert page.evaluate("window.sluiceDuplicates") == 0
+    status = _status(server, _text(page, "#stream-id"))
+    assert status["state"] == "cancelled"
+    assert status["finish_reason"] == "cancelled"
+    assert status["tokens"] == shown_tokens
