@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from sluice.engine.models.gpt2 import GPT2Config, GPT2LMHeadModel
@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="output checkpoint directory")
     parser.add_argument("--tokenizer", type=Path, help="reuse this tokenizer.json")
+    parser.add_argument(
+        "--init", type=Path, help="continue training this checkpoint (same shape and tokenizer)"
+    )
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=192)
@@ -163,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
 
     pages = stdlib_docs(args.corpus_chars)
     print(f"corpus: {len(pages)} pages, {sum(map(len, pages)):,} characters", flush=True)
+    if args.init and not args.tokenizer:
+        args.tokenizer = args.init / "tokenizer.json"
     if args.tokenizer:
         tokenizer = Tokenizer.from_file(str(args.tokenizer))
     else:
@@ -182,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         n_head=args.heads,
     )
     model = GPT2LMHeadModel(config)
+    if args.init:
+        weights = load_file(str(args.init / "model.safetensors"))
+        weights["lm_head.weight"] = weights["transformer.wte.weight"]
+        model.load_state_dict({k: v.float() for k, v in weights.items()})
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     deadline = time.monotonic() + args.minutes * 60
     step = 0

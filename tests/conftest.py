@@ -20,4 +20,4 @@ def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
     if request.param == "asgi-sse":
         options.append("--no-native-sse")
     with ServerProcess(*options) as proc:
-        yield proc
+        yield proc.wait_ready()

@@ -12,8 +12,11 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
-__all__ = ["ServerProcess"]
+import httpx
+
+__all__ = ["ServerProcess", "wait_for_state"]
 
 
 class ServerProcess:
@@ -62,6 +65,13 @@ class ServerProcess:
                 process.wait(timeout=5)
         return process.returncode
 
+    def wait_ready(self, timeout_s: float = 120.0) -> ServerProcess:
+        """Block on one ``GET /readyz``: it is answered once the server has started (loading
+        the bundled model takes seconds on a busy machine; the request waits in the backlog)."""
+        response = httpx.get(f"{self.base_url}/readyz", timeout=timeout_s)
+        assert response.status_code == 200, response.text
+        return self
+
     def close(self) -> None:
         self.stop()
         self.sock.close()
@@ -71,3 +81,15 @@ class ServerProcess:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def wait_for_state(server: ServerProcess, stream_id: object, state: str) -> dict[str, object]:
+    """Poll ``GET /v1/streams/{id}`` until the stream reaches ``state`` (10 s at most)."""
+    deadline = time.monotonic() + 10
+    described: dict[str, object] = {}
+    while time.monotonic() < deadline:
+        described = httpx.get(f"{server.base_url}/v1/streams/{stream_id}").json()
+        if described["state"] == state:
+            return described
+        time.sleep(0.02)  # polling an observable condition with a deadline
+    raise AssertionError(f"stream never reached {state!r}: {described}")

@@ -16,6 +16,7 @@ import uvicorn
 
 from sluice import __version__
 from sluice.backends.base import Backend
+from sluice.backends.chat import ChatTemplate
 from sluice.backends.engine import EngineBackend
 from sluice.engine.driver import AsyncEngine
 from sluice.engine.engine import Engine, EngineConfig
@@ -211,7 +212,13 @@ def _embedded_engine(args: argparse.Namespace) -> tuple[str, Backend, AsyncEngin
         token_bytes=tokenizer.token_bytes,
     )
     driver = AsyncEngine(engine)
-    backend = EngineBackend(checkpoint.name, driver, tokenizer, default_max_tokens=128)
+    backend = EngineBackend(
+        checkpoint.name,
+        driver,
+        tokenizer,
+        default_max_tokens=128,
+        chat_template=ChatTemplate.for_checkpoint(args.model),
+    )
     return checkpoint.name, backend, driver
 
 
@@ -228,7 +235,7 @@ def serve(args: argparse.Namespace) -> int:
     if not args.no_model:
         try:
             name, backend, driver = _embedded_engine(args)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, ConfigError) as exc:
             print(f"sluice serve: --model {args.model}: {exc}", file=sys.stderr)
             return 2
         backends[name] = backend

@@ -56,7 +56,7 @@ def test_a_reader_that_stops_reading_gets_everything_when_it_resumes(
 
 
 def test_sigterm_ends_live_streams_on_an_event_boundary_and_exits_zero() -> None:
-    with ServerProcess("--shutdown-timeout", "5") as proc:
+    with ServerProcess("--no-model", "--shutdown-timeout", "5") as proc:
         response = open_get(
             proc.port, "/v1/demo/words?text=" + quote("w " * 100) + "&interval_ms=50"
         )
@@ -78,7 +78,10 @@ def test_sigterm_ends_live_streams_on_an_event_boundary_and_exits_zero() -> None
 
 def test_http_1_0_client_gets_an_unchunked_body_ended_by_close() -> None:
     """HTTP/1.0 has no chunked encoding (the native path; uvicorn's ASGI path chunks)."""
-    with ServerProcess() as server, socket.create_connection(("127.0.0.1", server.port)) as sock:
+    with (
+        ServerProcess("--no-model") as server,
+        socket.create_connection(("127.0.0.1", server.port)) as sock,
+    ):
         sock.settimeout(10)
         sock.sendall(b"GET /v1/demo/words?text=a%20b&interval_ms=0 HTTP/1.0\r\n\r\n")
         received = b""

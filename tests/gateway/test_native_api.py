@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import orjson
 import pytest
 
 from sluice.sse import Decoder, Event
 from tests.rawhttp import open_get
-from tests.server import ServerProcess
+from tests.server import ServerProcess, wait_for_state
 
 
 def create(server: ServerProcess, **body: object) -> dict[str, object]:
@@ -26,17 +24,6 @@ def status(server: ServerProcess, stream_id: object) -> dict[str, object]:
     assert response.status_code == 200
     described: dict[str, object] = response.json()
     return described
-
-
-def wait_for_state(server: ServerProcess, stream_id: object, state: str) -> dict[str, object]:
-    """Poll the stream's status until it reaches ``state`` (bounded)."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        described = status(server, stream_id)
-        if described["state"] == state:
-            return described
-        time.sleep(0.02)  # polling an observable condition with a deadline
-    raise AssertionError(f"stream never reached {state!r}: {described}")
 
 
 def test_create_returns_urls_and_status_counts_events(server: ServerProcess) -> None:

@@ -106,7 +106,7 @@ def test_reconnect_after_the_terminal_event_gets_204(server: ServerProcess) -> N
 
 
 def test_resume_from_a_dropped_position_gets_an_in_band_resume_gap() -> None:
-    with ServerProcess("--max-log-events", "20", "--retry", "200") as small:
+    with ServerProcess("--no-model", "--max-log-events", "20", "--retry", "200") as small:
         text = " ".join(f"w{i}" for i in range(100))
         # Paced so the live reader keeps up with a 20-event log; the retained tail is what
         # a late reconnect can still get.

@@ -215,11 +215,14 @@ class RefusingGeneration:
         self.error = error
         self.aborted = False
 
+    async def start(self) -> None:
+        raise self.error
+
     def __aiter__(self) -> RefusingGeneration:
         return self
 
     async def __anext__(self) -> object:
-        raise self.error
+        raise AssertionError("iterated after start() refused")
 
     async def abort(self) -> None:
         self.aborted = True
@@ -257,5 +260,5 @@ async def test_a_backend_refusal_ends_the_stream_with_a_clear_error(
     async with hub.running():
         stream = await hub.create("refusing", GenerationRequest("x"))
         events = await read_until_done(hub.open_reader(stream.id, 0))
-    assert events[-1] == Error(code, str(error), retryable)
+    assert events == [Error(code, str(error), retryable)]  # refused before it started
     assert stream.state is StreamState.FAILED

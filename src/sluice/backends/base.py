@@ -5,10 +5,11 @@ A :class:`Backend` serves one model name. ``generate(request)`` returns a
 values as the model produces them. A delta holds everything produced since the consumer
 last asked: usually one token, several when the consumer was busy or the source produces
 in bursts (an upstream read, a replayed text), so per-delta costs are paid per burst, not
-per token. A generation that never suspends yields the loop now and then itself. ``abort()`` stops the work and frees what it holds (the
-engine frees KV blocks, a proxy closes its upstream connection); it is idempotent and safe
-in every state, including before the first delta and after the last. ``usage()`` reports
-the token counts of what was generated so far, also after an abort.
+per token. A generation that never suspends yields the loop now and then itself.
+``abort()`` stops the work and frees what it holds (the engine frees KV blocks, a proxy
+closes its upstream connection); it is idempotent and safe in every state, including
+before the first delta and after the last. ``usage()`` reports the token counts of what
+was generated so far, also after an abort.
 """
 
 from __future__ import annotations
@@ -61,7 +62,16 @@ class Delta:
 
 
 class Generation(Protocol):
-    """One running generation."""
+    """One running generation.
+
+    ``start()`` admits the work before any output (the engine queues the request, a proxy
+    gets the upstream's response headers) and raises :class:`~sluice.errors.CapacityError`,
+    :class:`~sluice.errors.BadRequestError` or :class:`~sluice.errors.BackendError` if it
+    cannot run, so a refusal can still become an HTTP status. The producer calls it once,
+    before iterating; iterating without it starts the work first.
+    """
+
+    async def start(self) -> None: ...
 
     def __aiter__(self) -> AsyncIterator[Delta]: ...
 

@@ -1,8 +1,9 @@
 """The ``engine`` backend: generations served by the in-process inference engine.
 
-Each :class:`EngineGeneration` encodes its prompt and adds its request through an
-:class:`~sluice.engine.driver.AsyncEngine` when iteration starts, so admission errors
-surface when the hub starts the producer, translated at this boundary:
+Each :class:`EngineGeneration` encodes its prompt (a chat's messages through the model's
+:class:`~sluice.backends.chat.ChatTemplate` first) and adds its request through an
+:class:`~sluice.engine.driver.AsyncEngine` in ``start()``, so admission errors surface
+before the stream's first event, translated at this boundary:
 
 - the scheduler's ``QueueFullError`` becomes :class:`~sluice.errors.CapacityError`
   (``retry_after_s=1``);
@@ -24,6 +25,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from sluice.backends.base import Delta, GenerationRequest
+from sluice.backends.chat import SIMPLE_TEMPLATE, ChatTemplate
 from sluice.engine.driver import AsyncEngine, EngineDriverError, RequestStream
 from sluice.engine.engine import RequestOutput
 from sluice.engine.sampling_params import SamplingParams
@@ -50,6 +52,7 @@ class EngineGeneration:
 
     __slots__ = (
         "_aborted",
+        "_chat",
         "_driver",
         "_encoder",
         "_finished",
@@ -66,12 +69,14 @@ class EngineGeneration:
         self,
         driver: AsyncEngine,
         encoder: PromptEncoder,
+        chat: ChatTemplate,
         request: GenerationRequest,
         params: SamplingParams,
         max_tokens: int,
     ) -> None:
         self._driver = driver
         self._encoder = encoder
+        self._chat = chat
         self._request = request
         self._params = params
         self._max_tokens = max_tokens
@@ -87,19 +92,16 @@ class EngineGeneration:
         """The engine's id for this request, once it was added."""
         return None if self._stream is None else self._stream.request_id
 
-    def __aiter__(self) -> AsyncIterator[Delta]:
-        if self._started:
-            raise RuntimeError("an EngineGeneration can be iterated only once")
-        self._started = True
-        return self._run()
-
-    async def _run(self) -> AsyncIterator[Delta]:
-        if self._abort_requested():
+    async def start(self) -> None:
+        """Queue the request in the engine; admission errors are raised here."""
+        if self._stream is not None or self._aborted:
             return
-        prompt_ids = self._encoder.encode(self._request.prompt)
-        self._num_prompt_tokens = len(prompt_ids)
         try:
-            # Validated here, not in generate(): admission errors surface from the producer.
+            prompt = self._request.prompt
+            if self._request.messages is not None:
+                prompt = self._chat.render(self._request.messages)
+            prompt_ids = self._encoder.encode(prompt)
+            self._num_prompt_tokens = len(prompt_ids)
             params = _request_params(self._params, self._request, self._max_tokens)
             stream = await self._driver.add_request(prompt_ids, params)
         except QueueFullError as exc:
@@ -112,9 +114,22 @@ class EngineGeneration:
         except EngineDriverError as exc:
             raise BackendError(str(exc), retryable=True) from exc
         self._stream = stream
+        if self._abort_requested():  # abort() ran while the request was being added
+            self._finished = True
+            self._driver.abort_nowait(stream.request_id)
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        if self._started:
+            raise RuntimeError("an EngineGeneration can be iterated only once")
+        self._started = True
+        return self._run()
+
+    async def _run(self) -> AsyncIterator[Delta]:
+        await self.start()
+        stream = self._stream
+        if stream is None or self._finished:  # aborted before or while starting
+            return
         try:
-            if self._abort_requested():  # abort() ran while the request was being added
-                return
             async for output in stream:
                 self._latest = output
                 reason = None
@@ -129,6 +144,7 @@ class EngineGeneration:
             raise BackendError(str(exc), retryable=True) from exc
         finally:
             if not self._finished:  # cancelled, aborted or abandoned: free the blocks
+                self._finished = True
                 self._driver.abort_nowait(stream.request_id)
 
     def _abort_requested(self) -> bool:
@@ -181,6 +197,7 @@ class EngineBackend:
         *,
         default_max_tokens: int,
         params: SamplingParams | None = None,
+        chat_template: ChatTemplate | None = None,
     ) -> None:
         if default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be at least 1, got {default_max_tokens}")
@@ -189,6 +206,7 @@ class EngineBackend:
         self._tokenizer = tokenizer
         self._default_max_tokens = default_max_tokens
         self._params = params or SamplingParams()
+        self._chat = chat_template or ChatTemplate(SIMPLE_TEMPLATE)
 
     @property
     def model(self) -> str:
@@ -196,7 +214,9 @@ class EngineBackend:
 
     def generate(self, request: GenerationRequest) -> EngineGeneration:
         max_tokens = self._default_max_tokens if request.max_tokens is None else request.max_tokens
-        return EngineGeneration(self._driver, self._tokenizer, request, self._params, max_tokens)
+        return EngineGeneration(
+            self._driver, self._tokenizer, self._chat, request, self._params, max_tokens
+        )
 
     async def aclose(self) -> None:
         """Nothing to release: the driver belongs to whoever started it."""

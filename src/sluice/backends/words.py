@@ -2,12 +2,14 @@
 
 A demo ("one SSE event per word") and a deterministic test source. The token texts
 concatenated equal the prompt exactly, whitespace included: each token is a word with the
-whitespace before it, and trailing whitespace rides on the last word.
+whitespace before it, and trailing whitespace rides on the last word. A chat request gets
+its last message's words back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 from collections.abc import AsyncIterator, Iterator
 from itertools import islice
@@ -88,6 +90,8 @@ class WordsGeneration:
     __slots__ = ("_aborted", "_finished", "_num_emitted", "_request")
 
     def __init__(self, request: GenerationRequest) -> None:
+        if request.messages:
+            request = dataclasses.replace(request, prompt=request.messages[-1].content)
         self._request = request
         self._num_emitted = 0
         self._aborted = False
@@ -96,6 +100,9 @@ class WordsGeneration:
     @property
     def num_emitted(self) -> int:
         return self._num_emitted
+
+    async def start(self) -> None:
+        """Nothing to admit: the text is already here."""
 
     def __aiter__(self) -> AsyncIterator[Delta]:
         return self._run()

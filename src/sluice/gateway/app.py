@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from sluice.backends.base import Backend
 from sluice.backends.words import WordsBackend
+from sluice.gateway.compat import CompatAPI
 from sluice.gateway.errors import error_response
 from sluice.gateway.routes import NativeApi
 from sluice.gateway.settings import Settings
@@ -54,6 +55,7 @@ class SluiceApp:
         self.streams = EventStreams(self.hub, settings)
         page = package_data.files("sluice.web").joinpath("index.html").read_text("utf-8")
         api = NativeApi(self.hub, settings, page)
+        compat = CompatAPI(self.hub, settings, self.streams.options)
         self._framework = Starlette(
             routes=[
                 Route("/", api.page, methods=["GET"]),
@@ -66,13 +68,24 @@ class SluiceApp:
                 Route("/v1/streams/{stream_id}/drop", api.drop_connections, methods=["POST"]),
                 Route("/v1/streams/{stream_id}/events", _method_not_allowed, methods=["GET"]),
                 Route("/v1/demo/words", _method_not_allowed, methods=["GET"]),
+                Route("/v1/chat/completions", compat.chat_completions, methods=["POST"]),
+                Route("/v1/completions", compat.completions, methods=["POST"]),
+                Route("/v1/messages", compat.messages, methods=["POST"]),
             ],
             middleware=[
                 Middleware(
                     CORSMiddleware,
                     allow_origins=list(settings.cors_allow_origins),
                     allow_methods=["GET", "POST", "OPTIONS"],
-                    allow_headers=["Last-Event-ID", "Content-Type", "Authorization"],
+                    allow_headers=[
+                        "Last-Event-ID",
+                        "Content-Type",
+                        "Authorization",
+                        "X-Sluice-Resumable",
+                        "X-API-Key",
+                        "Anthropic-Version",
+                    ],
+                    expose_headers=["X-Sluice-Stream-Id"],
                     max_age=600,
                 ),
             ],

@@ -16,8 +16,19 @@ from sluice.errors import (
     StreamNotFoundError,
     UnknownModelError,
 )
+from sluice.events import Error
 
-__all__ = ["PayloadTooLargeError", "error_response", "response_for"]
+__all__ = [
+    "REFUSAL_STATUS",
+    "PayloadTooLargeError",
+    "error_response",
+    "refusal_response",
+    "response_for",
+]
+
+# The error event of a stream whose backend refused the work in ``Generation.start()``, as
+# the HTTP status its creation is answered with.
+REFUSAL_STATUS = {"overloaded": 503, "invalid_request": 400, "backend_error": 502}
 
 
 class PayloadTooLargeError(BadRequestError):
@@ -55,3 +66,10 @@ def response_for(exc: SluiceError) -> Response:
         retry_after = str(max(1, round(exc.retry_after_s)))
         return error_response(503, "overloaded", str(exc), headers={"Retry-After": retry_after})
     return error_response(500, "internal_error", "internal server error")
+
+
+def refusal_response(error: Error) -> Response:
+    """The answer to a create whose backend refused the work before it started."""
+    status = REFUSAL_STATUS.get(error.type, 500)
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return error_response(status, error.type, error.message, headers=headers)

@@ -11,7 +11,7 @@ from sluice.backends.base import GenerationRequest
 from sluice.errors import BadEventIdError, BadRequestError
 from sluice.gateway.errors import PayloadTooLargeError
 from sluice.gateway.settings import Settings
-from sluice.streams.ids import parse_event_id
+from sluice.streams.ids import parse_position
 from sluice.transports.asgi import Receive, Scope
 
 __all__ = [
@@ -134,8 +134,9 @@ def generation_request(body: CreateStreamBody) -> GenerationRequest:
     )
 
 
-def last_event_id(scope: Scope, query: dict[str, list[str]]) -> tuple[str, int] | None:
-    """The ``Last-Event-ID`` (header first, then ``?last_event_id=``) as ``(stream, seq)``.
+def last_event_id(scope: Scope, query: dict[str, list[str]]) -> tuple[str, int, int] | None:
+    """The ``Last-Event-ID`` (header first, then ``?last_event_id=``) as ``(stream, seq,
+    frames)`` (see :mod:`sluice.streams.ids`).
 
     An empty value means "no id" (what EventSource sends when it has none).
     """
@@ -153,4 +154,4 @@ def last_event_id(scope: Scope, query: dict[str, list[str]]) -> tuple[str, int] 
             raw = values[-1]
     if not raw:
         return None
-    return parse_event_id(raw)
+    return parse_position(raw)

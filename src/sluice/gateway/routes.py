@@ -6,7 +6,8 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from sluice.errors import BadEventIdError, SluiceError
-from sluice.gateway.errors import response_for
+from sluice.events import Error
+from sluice.gateway.errors import refusal_response, response_for
 from sluice.gateway.requests import generation_request, parse_create_stream, read_json_body
 from sluice.gateway.settings import Settings
 from sluice.streams.hub import Stream, StreamHub
@@ -41,8 +42,11 @@ class NativeApi:
                 resumable=body.resumable,
                 grace_s=body.grace_s,
             )
+            first = await self._hub.first_event(stream.id)
         except SluiceError as exc:
             return response_for(exc)
+        if isinstance(first, Error):  # the backend refused it: answer with a status, not 201
+            return refusal_response(first)
         base = f"/v1/streams/{stream.id}"
         payload = {
             **stream.describe(),

@@ -14,6 +14,7 @@ from urllib.parse import parse_qs
 from starlette.responses import Response
 
 from sluice.errors import BadEventIdError, BadRequestError, SluiceError
+from sluice.gateway.compat import Dialect
 from sluice.gateway.errors import response_for
 from sluice.gateway.requests import check_bounds, last_event_id, to_generation_request
 from sluice.gateway.settings import Settings
@@ -80,26 +81,32 @@ class EventStreams:
         if not is_stream_id(stream_id):
             raise BadEventIdError(f"malformed stream id {stream_id[:80]!r}")
         if position is None:
-            return self._open(self._hub.get(stream_id), 0)
+            return self._open(self._hub.get(stream_id), 0, 0)
         return self._resume(position, stream_id)
 
-    def _open(self, stream: Stream, after_seq: int) -> Reader | None:
+    def _open(self, stream: Stream, after_seq: int, frames: int) -> Reader | None:
         last_seq = self._hub.log.last_seq(stream.id)
         if after_seq > last_seq:
             raise BadEventIdError(
                 f"Last-Event-ID names event {after_seq}, but stream {stream.id} has {last_seq}"
             )
+        dialect = stream.dialect if isinstance(stream.dialect, Dialect) else None
+        if frames and (dialect is None or after_seq >= last_seq):
+            raise BadEventIdError(f"Last-Event-ID names a frame stream {stream.id} never sent")
         if stream.is_terminal and after_seq >= last_seq:
             return None
-        return self._hub.open_reader(stream.id, after_seq)
+        reader = self._hub.open_reader(stream.id, after_seq)
+        if dialect is not None:  # a compatible stream resumes in its dialect
+            reader.framer = dialect.framer(self._hub.log, stream.id, after_seq, frames)
+        return reader
 
-    def _resume(self, position: tuple[str, int], stream_id: str | None) -> Reader | None:
-        position_stream, after_seq = position
+    def _resume(self, position: tuple[str, int, int], stream_id: str | None) -> Reader | None:
+        position_stream, after_seq, frames = position
         if stream_id is not None and position_stream != stream_id:
             raise BadEventIdError(
                 f"Last-Event-ID belongs to stream {position_stream}, not {stream_id}"
             )
-        return self._open(self._hub.get(position_stream), after_seq)
+        return self._open(self._hub.get(position_stream), after_seq, frames)
 
     async def _start_words(self, query: dict[str, list[str]]) -> Reader | None:
         texts = query.get("text")

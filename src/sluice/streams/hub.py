@@ -81,6 +81,9 @@ class Stream:
     cancel_requested: bool = False
     generation: Generation | None = None
     task: asyncio.Task[None] | None = None
+    # How the stream's readers render it when not in the native dialect (set by the
+    # gateway; opaque here): a resumed read renders in the dialect it was created in.
+    dialect: object | None = None
     # The grace window while live; the retention window once terminal.
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
@@ -188,6 +191,21 @@ class StreamHub:
         stream.task = self._task_group.create_task(self._produce(stream, stream.generation))
         return stream
 
+    async def first_event(self, stream_id: str) -> NeutralEvent:
+        """The stream's first event, once it exists: ``Started``, or the ``Error`` of a
+        backend that refused the work (see ``Generation.start``)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = self._log.read(stream_id, 0, 1)
+            if batch.events:
+                return batch.events[0]
+            arrived: asyncio.Future[None] = loop.create_future()
+            self._log.watch(stream_id, 0, arrived)
+            try:
+                await arrived
+            finally:
+                self._log.unwatch(stream_id, arrived)
+
     def get(self, stream_id: str) -> Stream:
         stream = self._streams.get(stream_id)
         if stream is None:
@@ -266,6 +284,7 @@ class StreamHub:
             if stream.cancel_requested:
                 raise asyncio.CancelledError
             stream.state = next_state(stream.id, stream.state, StreamState.RUNNING)
+            await generation.start()  # admission: a refusal is the stream's first event
             await self._append(stream, Started(model=stream.model, created=int(stream.created)))
             reason = FinishReason.STOP
             num_deltas = 0

@@ -8,11 +8,24 @@ reader left (which may cancel the stream or start its grace window).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from sluice.events import is_terminal
 from sluice.streams.log import Batch, EventLog, Waiter
 
-__all__ = ["Reader"]
+__all__ = ["Framer", "Reader"]
+
+
+class Framer(Protocol):
+    """Turns a reader's records into the bytes of a non-native dialect's SSE frames."""
+
+    def frame(self, batch: Batch) -> bytes:
+        """The frames of ``batch``'s events, in order (may be empty)."""
+        ...
+
+    def refusal(self, code: str, message: str) -> bytes:
+        """A terminal in-band error outside the log (for example ``resume_gap``)."""
+        ...
 
 
 class Reader:
@@ -25,6 +38,7 @@ class Reader:
         "_waiter",
         "after_seq",
         "done",
+        "framer",
         "interrupted",
         "stream_id",
     )
@@ -42,6 +56,8 @@ class Reader:
         self.after_seq = after_seq
         self.done = False  # the terminal event has been read
         self.interrupted = False  # the server asked this connection to drop (clients resume)
+        # Renders batches in a dialect other than the native one (the log's own frames).
+        self.framer: Framer | None = None
         self._waiter: Waiter | None = None
         self._on_close = on_close
         self._closed = False

@@ -37,6 +37,10 @@ SSE_HEADERS: tuple[tuple[bytes, bytes], ...] = (
 
 _PING = encode_comment("ping")
 
+# _RETRY_NATIVE_ONLY: the ``retry:`` hint goes to native streams only. The OpenAI and
+# Anthropic SDKs' SSE parsers turn a ``retry:``-only block into an event with empty data
+# and fail to parse it as JSON; their clients do not reconnect by themselves anyway.
+
 
 @dataclass(frozen=True, slots=True)
 class SSEOptions:
@@ -64,10 +68,13 @@ def _next_body(reader: Reader, max_records: int) -> bytes | None:
     Sets ``reader.done`` when the body ends the stream (terminal event, resume gap, or a
     log that expired underneath).
     """
+    framer = reader.framer
     try:
         batch = reader.read(max_records)
     except ResumeGapError as exc:
         reader.done = True
+        if framer is not None:
+            return framer.refusal("resume_gap", str(exc))
         return native.error_frame("resume_gap", str(exc))
     except StreamNotFoundError:
         reader.done = True  # expired under us: nothing more will come
@@ -75,6 +82,8 @@ def _next_body(reader: Reader, max_records: int) -> bytes | None:
     frames = batch.frames
     if not frames:
         return None
+    if framer is not None:
+        return framer.frame(batch)
     return frames[0] if len(frames) == 1 else b"".join(frames)
 
 
@@ -120,7 +129,8 @@ class SSEConnection:
 
     def start(self) -> None:
         """Write the ``retry:`` hint and everything ready, then follow the log."""
-        self._write(encode_retry(self._options.retry_ms))
+        if self.reader.framer is None:  # see _RETRY_NATIVE_ONLY
+            self._write(encode_retry(self._options.retry_ms))
         self._last_write = self._loop.time()
         self._heartbeat = self._loop.call_later(
             self._options.heartbeat_interval_s, self._on_heartbeat
@@ -250,8 +260,9 @@ async def send_event_stream(
     try:
         headers = [*SSE_HEADERS, *extra_headers]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        retry = encode_retry(options.retry_ms)
-        await send({"type": "http.response.body", "body": retry, "more_body": True})
+        if reader.framer is None:  # see _RETRY_NATIVE_ONLY
+            retry = encode_retry(options.retry_ms)
+            await send({"type": "http.response.body", "body": retry, "more_body": True})
         last_write = loop.time()
         heartbeat_s = options.heartbeat_interval_s
         while not disconnect.done() and not reader.interrupted:

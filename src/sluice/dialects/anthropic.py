@@ -1,0 +1,383 @@
+"""The Anthropic dialect: the Messages API, streamed (named events) and whole.
+
+Pure: events in, ``(event name, JSON data)`` pairs out; the caller frames each pair as one
+SSE frame and adds ids when a stream is resumable.
+
+=====================  ===============================================================
+neutral event          Anthropic events
+=====================  ===============================================================
+Started                ``message_start``, ``ping``
+TextDelta              [``content_block_stop``, ``content_block_start`` (text)],
+                       ``content_block_delta`` (``text_delta``)
+ToolCallDelta (first)  [``content_block_stop``], ``content_block_start`` (``tool_use``),
+                       [``content_block_delta`` (``input_json_delta``)]
+ToolCallDelta (later)  ``content_block_delta`` (``input_json_delta``) when non-empty
+Usage                  nothing (kept for ``message_delta``)
+Finished(stop|...)     [``content_block_stop``], ``message_delta``, ``message_stop``
+Finished(cancelled)    ``error`` (``api_error``); no ``message_stop``
+Error                  ``error``; no ``message_stop``
+=====================  ===============================================================
+
+Decisions, numbered:
+
+1. Blocks are sequential, as the API sends them: a block is stopped before the next one
+   starts, and a text delta after a tool call opens a new text block. A fragment for a tool
+   call whose block is already stopped cannot be expressed, so it raises
+   :class:`~sluice.errors.ProtocolError` rather than corrupt the call's JSON.
+2. The first fragment of each tool call index must carry ``id`` and ``name`` (the neutral
+   contract), else ``ProtocolError``; a later one that repeats them is a continuation.
+3. Rendering after the terminal event raises ``ProtocolError`` (as h11 does).
+4. Usage: ``message_start`` carries the ``input_tokens`` given to the renderer (0 if not
+   known yet) and ``output_tokens: 0``; ``message_delta`` carries the final cumulative
+   ``input_tokens`` and ``output_tokens`` (the SDK overwrites its snapshot with both).
+   Sluice's ``prompt_tokens`` counts cached tokens and Anthropic's ``input_tokens`` does
+   not, so cached tokens move to ``cache_read_input_tokens`` (present only when non-zero).
+5. Errors share one table (:func:`_failure`): ``invalid_request`` 400
+   ``invalid_request_error``; ``overloaded`` or retryable 503 ``overloaded_error``;
+   ``backend_error`` 502 and anything else 500 ``api_error``; a cancelled stream
+   503 ``api_error`` (a client still waiting was cancelled by a draining server).
+6. The whole message's ``tool_use.input`` is the call's arguments parsed as a JSON object;
+   empty arguments give ``{}``, and so do arguments that are not a JSON object (a call cut
+   off by ``max_tokens``), since the API's ``input`` is always an object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import orjson
+
+from sluice.errors import ProtocolError
+from sluice.events import (
+    Error,
+    Finished,
+    FinishReason,
+    NeutralEvent,
+    Started,
+    TextDelta,
+    ToolCallDelta,
+    Usage,
+)
+
+__all__ = ["Accumulator", "MessagesRenderer", "error_body", "error_type_for_status"]
+
+_STOP_REASON = {
+    FinishReason.STOP: "end_turn",
+    FinishReason.LENGTH: "max_tokens",
+    FinishReason.TOOL_CALLS: "tool_use",
+}
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+_STATUS_BY_ERROR_TYPE = {"invalid_request": 400, "overloaded": 503, "backend_error": 502}
+
+_CANCELLED_MESSAGE = "the stream was cancelled"
+
+_PING = '{"type":"ping"}'
+_MESSAGE_STOP = '{"type":"message_stop"}'
+
+
+def error_type_for_status(status: int) -> str:
+    """The Anthropic error ``type`` for an HTTP status."""
+    if status in _TYPE_BY_STATUS:
+        return _TYPE_BY_STATUS[status]
+    return "api_error" if status >= 500 else "invalid_request_error"
+
+
+def error_body(message: str, *, type: str) -> dict[str, object]:
+    """Anthropic's error envelope, for refusals before a response starts."""
+    return {"type": "error", "error": {"type": type, "message": message}}
+
+
+def _failure(event: Error | Finished) -> tuple[int, dict[str, object]]:
+    """The HTTP status and error body of a stream that ended badly (decision 5)."""
+    if isinstance(event, Finished):
+        return 503, error_body(_CANCELLED_MESSAGE, type="api_error")
+    status = 503 if event.retryable else _STATUS_BY_ERROR_TYPE.get(event.type, 500)
+    return status, error_body(event.message, type=error_type_for_status(status))
+
+
+def _usage_payload(usage: Usage | None, input_tokens: int) -> dict[str, object]:
+    if usage is None:
+        return {"input_tokens": input_tokens, "output_tokens": 0}
+    payload: dict[str, object] = {"input_tokens": usage.prompt_tokens - usage.cached_tokens}
+    if usage.cached_tokens:
+        payload["cache_read_input_tokens"] = usage.cached_tokens
+    payload["output_tokens"] = usage.completion_tokens
+    return payload
+
+
+def _dumps(payload: Mapping[str, object]) -> str:
+    return orjson.dumps(payload).decode()
+
+
+def _message(
+    message_id: str,
+    model: str,
+    content: list[dict[str, object]],
+    stop_reason: str | None,
+    usage: Mapping[str, object],
+) -> dict[str, object]:
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": None,
+        "usage": usage,
+    }
+
+
+def _first_fragment(event: ToolCallDelta) -> tuple[str, str]:
+    if event.id is None or event.name is None:
+        raise ProtocolError(f"the first fragment of tool call {event.index} carries no id or name")
+    return event.id, event.name
+
+
+class MessagesRenderer:
+    """Renders one response's neutral events as Anthropic stream events (see module doc)."""
+
+    __slots__ = (
+        "_input_tokens",
+        "_message_id",
+        "_model",
+        "_num_blocks",
+        "_open_block",
+        "_open_is_text",
+        "_terminated",
+        "_tool_blocks",
+        "_usage",
+    )
+
+    def __init__(self, *, message_id: str, model: str, input_tokens: int = 0) -> None:
+        self._message_id = message_id
+        self._model = model
+        self._input_tokens = input_tokens
+        self._usage: Usage | None = None
+        self._num_blocks = 0
+        self._open_block: int | None = None  # the index of the block now open
+        self._open_is_text = False
+        self._tool_blocks: dict[int, int] = {}  # tool call index -> block index
+        self._terminated = False
+
+    def render(self, event: NeutralEvent) -> list[tuple[str, str]]:
+        """The ``(event name, data)`` frames of ``event``.
+
+        Raises :class:`~sluice.errors.ProtocolError` after the terminal event and for a
+        tool call fragment whose block is already stopped (decisions 1 and 3).
+        """
+        if self._terminated:
+            raise ProtocolError(
+                f"Anthropic message stream: {type(event).__name__} after the terminal event"
+            )
+        match event:
+            case TextDelta(text=text):
+                frames = (
+                    []
+                    if self._open_is_text
+                    else self._start_block(None, {"type": "text", "text": ""})
+                )
+                frames.append(
+                    (
+                        "content_block_delta",
+                        f'{{"type":"content_block_delta","index":{self._open_block},'
+                        f'"delta":{{"type":"text_delta","text":{orjson.dumps(text).decode()}}}}}',
+                    )
+                )
+                return frames
+            case ToolCallDelta():
+                return self._tool_call(event)
+            case Started():
+                usage = {"input_tokens": self._input_tokens, "output_tokens": 0}
+                message = _message(self._message_id, self._model, [], None, usage)
+                return [
+                    ("message_start", _dumps({"type": "message_start", "message": message})),
+                    ("ping", _PING),
+                ]
+            case Usage():
+                self._usage = event
+                return []
+            case Finished(reason=FinishReason.CANCELLED) | Error():
+                self._terminated = True
+                return [("error", _dumps(_failure(event)[1]))]
+            case Finished(reason=reason):
+                self._terminated = True
+                frames = self._stop_block()
+                delta = {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": _STOP_REASON[reason], "stop_sequence": None},
+                    "usage": _usage_payload(self._usage, self._input_tokens),
+                }
+                frames.append(("message_delta", _dumps(delta)))
+                frames.append(("message_stop", _MESSAGE_STOP))
+                return frames
+        raise TypeError(f"not a neutral event: {event!r}")
+
+    def _tool_call(self, event: ToolCallDelta) -> list[tuple[str, str]]:
+        block = self._tool_blocks.get(event.index)
+        if block is None:
+            id, name = _first_fragment(event)
+            frames = self._start_block(
+                event.index, {"type": "tool_use", "id": id, "name": name, "input": {}}
+            )
+        elif block != self._open_block:
+            raise ProtocolError(
+                f"a fragment of tool call {event.index} after its block {block} was stopped"
+            )
+        else:
+            frames = []
+        if event.arguments_delta:
+            delta = {
+                "type": "content_block_delta",
+                "index": self._open_block,
+                "delta": {"type": "input_json_delta", "partial_json": event.arguments_delta},
+            }
+            frames.append(("content_block_delta", _dumps(delta)))
+        return frames
+
+    def _start_block(
+        self, tool_index: int | None, content_block: dict[str, object]
+    ) -> list[tuple[str, str]]:
+        frames = self._stop_block()
+        index = self._num_blocks
+        self._num_blocks += 1
+        self._open_block = index
+        self._open_is_text = tool_index is None
+        if tool_index is not None:
+            self._tool_blocks[tool_index] = index
+        start = {"type": "content_block_start", "index": index, "content_block": content_block}
+        frames.append(("content_block_start", _dumps(start)))
+        return frames
+
+    def _stop_block(self) -> list[tuple[str, str]]:
+        if self._open_block is None:
+            return []
+        stop = {"type": "content_block_stop", "index": self._open_block}
+        self._open_block = None
+        self._open_is_text = False
+        return [("content_block_stop", _dumps(stop))]
+
+
+class _Block:
+    """One content block being assembled: text, or a tool call's id, name and arguments."""
+
+    __slots__ = ("id", "name", "parts")
+
+    def __init__(self, id: str | None = None, name: str | None = None) -> None:
+        self.id = id
+        self.name = name
+        self.parts: list[str] = []
+
+    def payload(self) -> dict[str, object]:
+        joined = "".join(self.parts)
+        if self.id is None:
+            return {"type": "text", "text": joined}
+        return {"type": "tool_use", "id": self.id, "name": self.name, "input": _parse_input(joined)}
+
+
+def _parse_input(arguments: str) -> dict[str, object]:
+    """Decision 6: the arguments as a JSON object, or ``{}``."""
+    try:
+        value = orjson.loads(arguments) if arguments.strip() else {}
+    except orjson.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class Accumulator:
+    """Collects one response's neutral events into a whole Anthropic ``message``.
+
+    Blocks follow the renderer's layout: consecutive text is one block, each tool call one
+    block. Feed every event with :meth:`feed`; after the terminal one, :meth:`error` says
+    whether the response failed and :meth:`result` returns the message of one that did not.
+    """
+
+    __slots__ = (
+        "_blocks",
+        "_failure",
+        "_input_tokens",
+        "_message_id",
+        "_model",
+        "_stop_reason",
+        "_tool_blocks",
+        "_usage",
+    )
+
+    def __init__(self, *, message_id: str, model: str, input_tokens: int = 0) -> None:
+        self._message_id = message_id
+        self._model = model
+        self._input_tokens = input_tokens
+        self._blocks: list[_Block] = []
+        self._tool_blocks: dict[int, _Block] = {}
+        self._usage: Usage | None = None
+        self._stop_reason: str | None = None
+        self._failure: tuple[int, dict[str, object]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        """True once the terminal event has been fed."""
+        return self._stop_reason is not None or self._failure is not None
+
+    def feed(self, event: NeutralEvent) -> None:
+        """Take one event; raises :class:`~sluice.errors.ProtocolError` after the terminal one."""
+        if self.finished:
+            raise ProtocolError(
+                f"Anthropic message: {type(event).__name__} after the terminal event"
+            )
+        match event:
+            case TextDelta(text=text):
+                if not self._blocks or self._blocks[-1].id is not None:
+                    self._blocks.append(_Block())
+                self._blocks[-1].parts.append(text)
+                return
+            case ToolCallDelta():
+                block = self._tool_blocks.get(event.index)
+                if block is None:
+                    block = _Block(*_first_fragment(event))
+                    self._tool_blocks[event.index] = block
+                    self._blocks.append(block)
+                block.parts.append(event.arguments_delta)
+                return
+            case Usage():
+                self._usage = event
+                return
+            case Finished(reason=FinishReason.CANCELLED) | Error():
+                self._failure = _failure(event)
+                return
+            case Finished(reason=reason):
+                self._stop_reason = _STOP_REASON[reason]
+                return
+            case Started():
+                return
+        raise TypeError(f"not a neutral event: {event!r}")
+
+    def error(self) -> tuple[int, dict[str, object]] | None:
+        """The HTTP status and error body if the response failed, else ``None``."""
+        return self._failure
+
+    def result(self) -> dict[str, object]:
+        """The whole ``message``; raises ``ProtocolError`` unless it finished well."""
+        if self._failure is not None:
+            raise ProtocolError(f"Anthropic message failed: {self._failure[1]}")
+        if self._stop_reason is None:
+            raise ProtocolError("Anthropic message has not finished")
+        return _message(
+            self._message_id,
+            self._model,
+            [block.payload() for block in self._blocks],
+            self._stop_reason,
+            _usage_payload(self._usage, self._input_tokens),
+        )

@@ -1,0 +1,395 @@
+"""The OpenAI dialect: chat and text completions, streamed (chunks) and whole.
+
+Pure: events in, JSON strings out. The caller frames each ``(None, data)`` pair as one
+plain ``data:`` SSE frame (OpenAI names no events) and adds ids when a stream is resumable.
+
+Streamed chat (``POST /v1/chat/completions`` with ``stream: true``)::
+
+    Started              {"choices": [{"delta": {"role": "assistant", "content": ""}, ...}]}
+    TextDelta            {"choices": [{"delta": {"content": "..."}, ...}]}
+    ToolCallDelta        {"choices": [{"delta": {"tool_calls": [{"index", ...}]}, ...}]}
+    Usage                nothing (kept for the usage chunk)
+    Finished(stop|...)   {"choices": [{"delta": {}, "finish_reason": ...}]}
+                         [{"choices": [], "usage": {...}}]   (with include_usage)
+                         [DONE]
+    Finished(cancelled)  {"error": {..., "code": "cancelled"}}   no [DONE]
+    Error                {"error": {..., "code": <Error.type>}}  no [DONE]
+
+Every chunk opens with ``id, object, created, model``; with ``include_usage`` every chunk
+but the last carries ``"usage": null``, as OpenAI's do. Decisions, numbered:
+
+1. ``system_fingerprint`` and ``service_tier`` are omitted (both optional in the SDK).
+2. Rendering an event after the terminal one raises :class:`~sluice.errors.ProtocolError`
+   (as h11 raises on an event its state forbids); it never returns a quiet ``[]``.
+3. The first fragment of each tool call index must carry ``id`` and ``name`` (the neutral
+   contract), else ``ProtocolError``. A later fragment that repeats them is a continuation;
+   its ``id`` and ``name`` are ignored.
+4. Text completions have no tools: tool call fragments render nothing there, and a
+   ``tool_calls`` finish is reported as ``stop`` (the only reasons that API knows are
+   ``stop``, ``length`` and ``content_filter``).
+5. Errors in the stream and in whole responses share one table (:func:`_failure`):
+   ``invalid_request`` 400, ``overloaded`` or retryable 503, ``backend_error`` 502,
+   anything else 500, a cancelled stream 503 (cancellations a client still waits for come
+   from a draining server: retry elsewhere). Every 5xx has the OpenAI type ``server_error``;
+   ``code`` carries the neutral ``Error.type``.
+6. Usage with ``include_usage`` but no :class:`~sluice.events.Usage` event reports zeros;
+   ``prompt_tokens_details`` appears only when some prompt tokens were cached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+import orjson
+
+from sluice.errors import ProtocolError
+from sluice.events import (
+    Error,
+    Finished,
+    FinishReason,
+    NeutralEvent,
+    Started,
+    TextDelta,
+    ToolCallDelta,
+    Usage,
+)
+
+__all__ = [
+    "DONE",
+    "Accumulator",
+    "ChunkRenderer",
+    "CompletionKind",
+    "error_body",
+    "error_type_for_status",
+]
+
+CompletionKind = Literal["chat", "text"]
+
+DONE = "[DONE]"
+"""The data of the last frame of a successful stream."""
+
+_OBJECT_CHUNK = {"chat": "chat.completion.chunk", "text": "text_completion"}
+_OBJECT_WHOLE = {"chat": "chat.completion", "text": "text_completion"}
+
+_FINISH_REASON = {
+    "chat": {
+        FinishReason.STOP: "stop",
+        FinishReason.LENGTH: "length",
+        FinishReason.TOOL_CALLS: "tool_calls",
+    },
+    "text": {
+        FinishReason.STOP: "stop",
+        FinishReason.LENGTH: "length",
+        FinishReason.TOOL_CALLS: "stop",  # decision 4
+    },
+}
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+_STATUS_BY_ERROR_TYPE = {"invalid_request": 400, "overloaded": 503, "backend_error": 502}
+
+_CANCELLED_MESSAGE = "the stream was cancelled"
+
+
+def error_type_for_status(status: int) -> str:
+    """The OpenAI error ``type`` for an HTTP status (the SDKs raise by status anyway)."""
+    if status >= 500:
+        return "server_error"
+    return _TYPE_BY_STATUS.get(status, "invalid_request_error")
+
+
+def error_body(
+    message: str, *, type: str, code: str | None, param: str | None = None
+) -> dict[str, object]:
+    """OpenAI's error envelope, for refusals before a response starts."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _failure(event: Error | Finished) -> tuple[int, dict[str, object]]:
+    """The HTTP status and error body of a stream that ended badly (decision 5)."""
+    if isinstance(event, Finished):
+        status, code, message = 503, "cancelled", _CANCELLED_MESSAGE
+    else:
+        status = 503 if event.retryable else _STATUS_BY_ERROR_TYPE.get(event.type, 500)
+        code, message = event.type, event.message
+    return status, error_body(message, type=error_type_for_status(status), code=code)
+
+
+def _usage_payload(usage: Usage | None) -> dict[str, object]:
+    if usage is None:
+        usage = Usage(prompt_tokens=0, completion_tokens=0)
+    payload: dict[str, object] = {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+    if usage.cached_tokens:
+        payload["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
+    return payload
+
+
+def _dumps(payload: Mapping[str, object]) -> str:
+    return orjson.dumps(payload).decode()
+
+
+class _ToolCallTracker:
+    """The tool call indexes seen so far; enforces decision 3."""
+
+    __slots__ = ("_seen",)
+
+    def __init__(self) -> None:
+        self._seen: set[int] = set()
+
+    def first(self, event: ToolCallDelta) -> tuple[str, str] | None:
+        """``(id, name)`` if ``event`` is its call's first fragment, else ``None``."""
+        if event.index in self._seen:
+            return None
+        if event.id is None or event.name is None:
+            raise ProtocolError(
+                f"the first fragment of tool call {event.index} carries no id or name"
+            )
+        self._seen.add(event.index)
+        return event.id, event.name
+
+
+class ChunkRenderer:
+    """Renders one response's neutral events as OpenAI stream chunks (see module doc)."""
+
+    __slots__ = (
+        "_finish_reasons",
+        "_head",
+        "_include_usage",
+        "_kind",
+        "_terminated",
+        "_text_prefix",
+        "_text_suffix",
+        "_tool_calls",
+        "_usage",
+    )
+
+    def __init__(
+        self,
+        *,
+        kind: CompletionKind,
+        completion_id: str,
+        model: str,
+        created: int,
+        include_usage: bool,
+    ) -> None:
+        self._kind = kind
+        self._include_usage = include_usage
+        self._finish_reasons = _FINISH_REASON[kind]
+        self._head: dict[str, object] = {
+            "id": completion_id,
+            "object": _OBJECT_CHUNK[kind],
+            "created": created,
+            "model": model,
+        }
+        self._usage: Usage | None = None
+        self._tool_calls = _ToolCallTracker()
+        self._terminated = False
+        # The hot path (one per token): the chunk around a text delta's JSON string, so a
+        # token costs one small orjson call. Equal to dumping the whole dict (tested).
+        head = _dumps(self._head)[:-1]
+        text_key = '"delta":{"content":' if kind == "chat" else '"text":'
+        self._text_prefix = f'{head},"choices":[{{"index":0,{text_key}'
+        self._text_suffix = (
+            ("}" if kind == "chat" else "")
+            + ',"logprobs":null,"finish_reason":null}]'
+            + (',"usage":null}' if include_usage else "}")
+        )
+
+    def render(self, event: NeutralEvent) -> list[tuple[str | None, str]]:
+        """The ``(event name, data)`` frames of ``event``; the name is always ``None``.
+
+        Raises :class:`~sluice.errors.ProtocolError` for any event after the terminal one.
+        """
+        if self._terminated:
+            raise ProtocolError(
+                f"OpenAI {self._kind} stream: {type(event).__name__} after the terminal event"
+            )
+        match event:
+            case TextDelta(text=text):
+                data = self._text_prefix + orjson.dumps(text).decode() + self._text_suffix
+                return [(None, data)]
+            case Started():
+                if self._kind == "text":
+                    return []
+                return [(None, self._chunk({"role": "assistant", "content": ""}, None))]
+            case ToolCallDelta():
+                if self._kind == "text":
+                    return []  # decision 4
+                return [(None, self._chunk({"tool_calls": [self._tool_call(event)]}, None))]
+            case Usage():
+                self._usage = event
+                return []
+            case Finished(reason=FinishReason.CANCELLED) | Error():
+                self._terminated = True
+                return [(None, _dumps(_failure(event)[1]))]
+            case Finished(reason=reason):
+                self._terminated = True
+                frames: list[tuple[str | None, str]] = [
+                    (None, self._chunk({}, self._finish_reasons[reason]))
+                ]
+                if self._include_usage:
+                    last = {**self._head, "choices": [], "usage": _usage_payload(self._usage)}
+                    frames.append((None, _dumps(last)))
+                frames.append((None, DONE))
+                return frames
+        raise TypeError(f"not a neutral event: {event!r}")
+
+    def _tool_call(self, event: ToolCallDelta) -> dict[str, object]:
+        first = self._tool_calls.first(event)
+        if first is not None:
+            id, name = first
+            return {
+                "index": event.index,
+                "id": id,
+                "type": "function",
+                "function": {"name": name, "arguments": event.arguments_delta},
+            }
+        return {"index": event.index, "function": {"arguments": event.arguments_delta}}
+
+    def _chunk(self, delta: dict[str, object], finish_reason: str | None) -> str:
+        choice: dict[str, object] = {"index": 0}
+        if self._kind == "chat":
+            choice["delta"] = delta
+        else:
+            choice["text"] = ""
+        choice["logprobs"] = None
+        choice["finish_reason"] = finish_reason
+        chunk: dict[str, object] = {**self._head, "choices": [choice]}
+        if self._include_usage:
+            chunk["usage"] = None
+        return _dumps(chunk)
+
+
+class _ToolCall:
+    __slots__ = ("arguments", "id", "name")
+
+    def __init__(self, id: str, name: str) -> None:
+        self.id = id
+        self.name = name
+        self.arguments: list[str] = []
+
+
+class Accumulator:
+    """Collects one response's neutral events into a whole OpenAI object (``stream: false``).
+
+    Feed every event with :meth:`feed`; after the terminal one, :meth:`error` says whether
+    the response failed, and :meth:`result` returns the ``chat.completion`` or
+    ``text_completion`` object of one that did not.
+    """
+
+    __slots__ = (
+        "_completion_id",
+        "_created",
+        "_failure",
+        "_finish_reason",
+        "_kind",
+        "_model",
+        "_text",
+        "_tool_calls",
+        "_tracker",
+        "_usage",
+    )
+
+    def __init__(
+        self, *, kind: CompletionKind, completion_id: str, model: str, created: int
+    ) -> None:
+        self._kind = kind
+        self._completion_id = completion_id
+        self._model = model
+        self._created = created
+        self._text: list[str] = []
+        self._tool_calls: dict[int, _ToolCall] = {}
+        self._tracker = _ToolCallTracker()
+        self._usage: Usage | None = None
+        self._finish_reason: str | None = None
+        self._failure: tuple[int, dict[str, object]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        """True once the terminal event has been fed."""
+        return self._finish_reason is not None or self._failure is not None
+
+    def feed(self, event: NeutralEvent) -> None:
+        """Take one event; raises :class:`~sluice.errors.ProtocolError` after the terminal one."""
+        if self.finished:
+            raise ProtocolError(
+                f"OpenAI {self._kind} response: {type(event).__name__} after the terminal event"
+            )
+        match event:
+            case TextDelta(text=text):
+                self._text.append(text)
+                return
+            case ToolCallDelta():
+                if self._kind == "text":
+                    return  # decision 4
+                first = self._tracker.first(event)
+                if first is not None:
+                    self._tool_calls[event.index] = _ToolCall(*first)
+                self._tool_calls[event.index].arguments.append(event.arguments_delta)
+                return
+            case Usage():
+                self._usage = event
+                return
+            case Finished(reason=FinishReason.CANCELLED) | Error():
+                self._failure = _failure(event)
+                return
+            case Finished(reason=reason):
+                self._finish_reason = _FINISH_REASON[self._kind][reason]
+                return
+            case Started():
+                return
+        raise TypeError(f"not a neutral event: {event!r}")
+
+    def error(self) -> tuple[int, dict[str, object]] | None:
+        """The HTTP status and error body if the response failed, else ``None``."""
+        return self._failure
+
+    def result(self) -> dict[str, object]:
+        """The whole response object; raises ``ProtocolError`` unless it finished well."""
+        if self._failure is not None:
+            raise ProtocolError(f"OpenAI {self._kind} response failed: {self._failure[1]}")
+        if self._finish_reason is None:
+            raise ProtocolError(f"OpenAI {self._kind} response has not finished")
+        text = "".join(self._text)
+        choice: dict[str, object] = {"index": 0}
+        if self._kind == "chat":
+            choice["message"] = self._message(text)
+        else:
+            choice["text"] = text
+        choice["logprobs"] = None
+        choice["finish_reason"] = self._finish_reason
+        return {
+            "id": self._completion_id,
+            "object": _OBJECT_WHOLE[self._kind],
+            "created": self._created,
+            "model": self._model,
+            "choices": [choice],
+            "usage": _usage_payload(self._usage),
+        }
+
+    def _message(self, text: str) -> dict[str, object]:
+        message: dict[str, object] = {"role": "assistant"}
+        message["content"] = None if not text and self._tool_calls else text
+        if self._tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": "".join(call.arguments)},
+                }
+                for _, call in sorted(self._tool_calls.items())
+            ]
+        return message

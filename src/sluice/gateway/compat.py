@@ -1,0 +1,346 @@
+"""The compatible APIs: ``POST /v1/chat/completions``, ``POST /v1/completions`` (OpenAI) and
+``POST /v1/messages`` (Anthropic), streaming (``"stream": true``) or not.
+
+Each request becomes a stream of the hub like any other, read from its first event and
+rendered in the client's dialect by a :class:`DialectFramer`. Admission is decided before
+the response starts: the handler waits for the stream's first event (``Started``, or the
+``Error`` of a backend that refused the work) and answers a refusal with the right status
+in the dialect's error shape (400 bad request, 404 unknown model, 413 body too large,
+503 + ``Retry-After`` when full, 502 when the backend failed).
+
+Resumable streams (opt-in): a request with the header ``X-Sluice-Resumable: true`` gets
+SSE ids (``<stream id>:<n>``, on the last frame an event renders to) and survives a
+disconnect for the grace window; ``GET /v1/streams/{id}/events`` with ``Last-Event-ID``
+resumes it in the same dialect. The stream id comes back in ``X-Sluice-Stream-Id``.
+Without the header a disconnect cancels the generation at once (what OpenAI-compatible
+clients expect), and the frames carry no ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from sluice.dialects import anthropic, openai
+from sluice.errors import (
+    BadRequestError,
+    CapacityError,
+    ResumeGapError,
+    SluiceError,
+    UnknownModelError,
+)
+from sluice.events import Error, NeutralEvent
+from sluice.gateway.compat_requests import (
+    CompatRequest,
+    InvalidParameterError,
+    parse_anthropic_messages,
+    parse_openai,
+)
+from sluice.gateway.errors import REFUSAL_STATUS, PayloadTooLargeError
+from sluice.gateway.requests import read_json_body
+from sluice.gateway.settings import Settings
+from sluice.sse import encode_event
+from sluice.streams.hub import Stream, StreamHub
+from sluice.streams.log import Batch, EventLog
+from sluice.streams.reader import Reader
+from sluice.transports.asgi import Receive, Scope, Send
+from sluice.transports.sse import SSEOptions, send_event_stream
+
+__all__ = ["RESUMABLE_HEADER", "CompatAPI", "Dialect", "DialectFramer"]
+
+RESUMABLE_HEADER = "x-sluice-resumable"
+STREAM_ID_HEADER = "X-Sluice-Stream-Id"
+
+Kind = Literal["chat", "text", "anthropic"]
+Frame = tuple[str | None, str]
+
+
+class Renderer(Protocol):
+    def render(self, event: NeutralEvent) -> Sequence[Frame]: ...
+
+
+class DialectFramer:
+    """A reader's records as a dialect's SSE frames; ids only for resumable streams.
+
+    The last frame an event renders to carries the event's id; frames before it carry
+    frame ids (see :mod:`sluice.streams.ids`). ``skip`` drops the first frames of the first
+    event rendered: a client that resumes from a frame id already has them.
+    """
+
+    __slots__ = ("_refuse", "_renderer", "_skip", "_stream_id")
+
+    def __init__(
+        self,
+        renderer: Renderer,
+        stream_id: str | None,
+        refuse: Callable[[str, str], Sequence[Frame]],
+        skip: int = 0,
+    ) -> None:
+        self._renderer = renderer
+        self._stream_id = stream_id
+        self._refuse = refuse
+        self._skip = skip
+
+    def frame(self, batch: Batch) -> bytes:
+        out: list[bytes] = []
+        render = self._renderer.render
+        stream_id = self._stream_id
+        for offset, event in enumerate(batch.events):
+            frames = render(event)
+            seq = batch.first_seq + offset
+            last = len(frames) - 1
+            skip, self._skip = self._skip, 0
+            for i, (name, data) in enumerate(frames):
+                if i < skip:
+                    continue
+                event_id = None
+                if stream_id is not None:
+                    event_id = (
+                        f"{stream_id}:{seq}" if i == last else f"{stream_id}:{seq - 1}.{i + 1}"
+                    )
+                out.append(encode_event(data, event=name, id=event_id))
+        return b"".join(out)
+
+    def refusal(self, code: str, message: str) -> bytes:
+        return b"".join(
+            encode_event(data, event=name) for name, data in self._refuse(code, message)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """How one compatible stream renders: kept on the stream, so a resume renders the same."""
+
+    kind: Kind
+    response_id: str
+    model: str
+    created: int
+    include_usage: bool
+    resumable: bool
+
+    def renderer(self) -> Renderer:
+        if self.kind == "anthropic":
+            return anthropic.MessagesRenderer(message_id=self.response_id, model=self.model)
+        return openai.ChunkRenderer(
+            kind=self.kind,
+            completion_id=self.response_id,
+            model=self.model,
+            created=self.created,
+            include_usage=self.include_usage,
+        )
+
+    def framer(self, log: EventLog, stream_id: str, after_seq: int, skip: int = 0) -> DialectFramer:
+        """A framer for a reader that starts after event ``after_seq`` (and ``skip`` frames
+        of the next one).
+
+        A dialect's frames depend on what came before (OpenAI's first chunk carries the
+        role, Anthropic numbers its content blocks), so the renderer first replays events
+        ``1 .. after_seq`` silently. If those are gone, the reader's own read fails with a
+        resume gap, which :meth:`DialectFramer.refusal` reports.
+        """
+        renderer = self.renderer()
+        seq = 0
+        with contextlib.suppress(ResumeGapError):
+            while seq < after_seq:
+                batch = log.read(stream_id, seq, after_seq - seq)
+                if not batch.events:
+                    break
+                for event in batch.events:
+                    renderer.render(event)
+                seq = batch.last_seq
+        stream_id_for_ids = stream_id if self.resumable else None
+        return DialectFramer(renderer, stream_id_for_ids, self._refuse, skip)
+
+    def _refuse(self, code: str, message: str) -> Sequence[Frame]:
+        return self.renderer().render(Error(code, message, retryable=False))[-1:]
+
+
+def _status_for(exc: SluiceError) -> int:
+    if isinstance(exc, UnknownModelError):
+        return 404
+    if isinstance(exc, PayloadTooLargeError):
+        return 413
+    if isinstance(exc, BadRequestError):
+        return 400
+    if isinstance(exc, CapacityError):
+        return 503
+    return 500
+
+
+class _EventStreamResponse(Response):
+    """An SSE response that reads ``reader`` through its framer until the end."""
+
+    def __init__(self, reader: Reader, options: SSEOptions, headers: list[tuple[bytes, bytes]]):
+        super().__init__(status_code=200)
+        self._reader = reader
+        self._options = options
+        self._extra = headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_event_stream(
+            receive, send, self._reader, self._options, extra_headers=self._extra
+        )
+
+
+class CompatAPI:
+    """The compatible endpoints over one hub."""
+
+    def __init__(self, hub: StreamHub, settings: Settings, options: SSEOptions) -> None:
+        self._hub = hub
+        self._settings = settings
+        self._options = options
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, "text")
+
+    async def messages(self, request: Request) -> Response:
+        return await self._serve(request, "anthropic")
+
+    # -- one request ----------------------------------------------------------------------
+
+    async def _serve(self, request: Request, kind: Kind) -> Response:
+        try:
+            payload = await read_json_body(
+                request.scope, request.receive, self._settings.max_body_bytes
+            )
+            if kind == "anthropic":
+                parsed = parse_anthropic_messages(payload, self._settings)
+            else:
+                parsed = parse_openai(payload, self._settings, chat=kind == "chat")
+            resumable = request.headers.get(RESUMABLE_HEADER, "").lower() == "true"
+            stream = await self._hub.create(parsed.model, parsed.generation, resumable=resumable)
+        except SluiceError as exc:
+            return self._error(kind, exc)
+        dialect = Dialect(
+            kind=kind,
+            response_id=_response_id(kind, stream.id),
+            model=parsed.model,
+            created=int(stream.created),
+            include_usage=parsed.include_usage,
+            resumable=resumable,
+        )
+        stream.dialect = dialect
+        first = await self._hub.first_event(stream.id)
+        if isinstance(first, Error):
+            return self._refused(kind, first)
+        reader = self._hub.open_reader(stream.id, 0)
+        if not parsed.stream:
+            return await self._whole(request, kind, dialect, stream, reader, parsed)
+        reader.framer = dialect.framer(self._hub.log, stream.id, 0)
+        headers = [(STREAM_ID_HEADER.lower().encode(), stream.id.encode())]
+        return _EventStreamResponse(reader, self._options, headers)
+
+    async def _whole(
+        self,
+        request: Request,
+        kind: Kind,
+        dialect: Dialect,
+        stream: Stream,
+        reader: Reader,
+        parsed: CompatRequest,
+    ) -> Response:
+        """``"stream": false``: wait for the end, answer one JSON object."""
+        accumulator: openai.Accumulator | anthropic.Accumulator
+        if kind == "anthropic":
+            accumulator = anthropic.Accumulator(message_id=dialect.response_id, model=parsed.model)
+        else:
+            accumulator = openai.Accumulator(
+                kind=kind,
+                completion_id=dialect.response_id,
+                model=parsed.model,
+                created=dialect.created,
+            )
+        try:
+            events = await _read_all(reader, request.receive)
+        finally:
+            reader.close()  # a client gone before the end cancels a non-resumable stream
+        if events is None:
+            return Response(status_code=499)  # "client closed request"; nobody reads it
+        for event in events:
+            accumulator.feed(event)
+        failure = accumulator.error()
+        if failure is not None:
+            status, body = failure
+            return JSONResponse(body, status_code=status)
+        headers = {STREAM_ID_HEADER: stream.id}
+        return JSONResponse(accumulator.result(), headers=headers)
+
+    # -- errors in the dialect's shape ----------------------------------------------------
+
+    def _error(self, kind: Kind, exc: SluiceError) -> Response:
+        status = _status_for(exc)
+        message = str(exc) if status < 500 else "internal server error"
+        headers = {}
+        if isinstance(exc, CapacityError):
+            headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+        code = "model_not_found" if isinstance(exc, UnknownModelError) else None
+        param = exc.param if isinstance(exc, InvalidParameterError) else None
+        return _error_response(kind, status, message, code=code, param=param, headers=headers)
+
+    def _refused(self, kind: Kind, error: Error) -> Response:
+        status = REFUSAL_STATUS.get(error.type, 500)
+        headers = {"Retry-After": "1"} if status == 503 else {}
+        return _error_response(kind, status, error.message, code=error.type, headers=headers)
+
+
+def _error_response(
+    kind: Kind,
+    status: int,
+    message: str,
+    *,
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    body: dict[str, object]
+    if kind == "anthropic":
+        body = anthropic.error_body(message, type=anthropic.error_type_for_status(status))
+    else:
+        error_type = openai.error_type_for_status(status)
+        body = openai.error_body(message, type=error_type, code=code, param=param)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _response_id(kind: Kind, stream_id: str) -> str:
+    """The dialect's response id, derived from the stream id (so logs can join them)."""
+    suffix = stream_id.removeprefix("str_")
+    return {"chat": "chatcmpl-", "text": "cmpl-", "anthropic": "msg_"}[kind] + suffix
+
+
+async def _read_all(reader: Reader, receive: Receive) -> list[NeutralEvent] | None:
+    """Every event of the stream up to its terminal one; ``None`` if the client left."""
+    loop = asyncio.get_running_loop()
+    gone = asyncio.ensure_future(_until_disconnect(receive))
+    events: list[NeutralEvent] = []
+    try:
+        while True:
+            batch = reader.read(1024)
+            events.extend(batch.events)
+            if reader.done:
+                return events
+            if batch.events:
+                continue
+            arrived: asyncio.Future[None] = loop.create_future()
+            reader.watch(arrived)
+            try:
+                await asyncio.wait((arrived, gone), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                reader.unwatch(arrived)
+            if gone.done():
+                return None
+    finally:
+        gone.cancel()
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,220 @@
+"""Request bodies of the compatible APIs: OpenAI Chat Completions and Completions, Anthropic
+Messages, parsed into a :class:`~sluice.backends.base.GenerationRequest`.
+
+Fields the official SDKs send that change nothing here (``user``, ``metadata``,
+``frequency_penalty`` at 0, ...) are accepted and ignored, as other OpenAI-compatible
+servers do; fields that would change the answer in a way Sluice cannot honour (``n`` above
+1, ``echo``, ``best_of``) are refused with a 400 that names them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from sluice.backends.base import ChatMessage, GenerationRequest
+from sluice.errors import BadRequestError
+from sluice.gateway.settings import Settings
+
+__all__ = [
+    "CompatRequest",
+    "InvalidParameterError",
+    "parse_anthropic_messages",
+    "parse_openai",
+]
+
+_Temperature = Annotated[float, Field(ge=0, le=2)]
+_TopP = Annotated[float, Field(gt=0, le=1)]
+_Seed = Annotated[int, Field(ge=0, lt=2**63)]
+_MaxTokens = Annotated[int, Field(ge=1)]
+_Stop = Annotated[str, Field(min_length=1, max_length=256)]
+_Body = TypeVar("_Body", bound=BaseModel)
+
+
+class InvalidParameterError(BadRequestError):
+    """A request field with a bad value; ``param`` names it (OpenAI reports it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class _Lenient(BaseModel):
+    """Unknown fields are ignored (clients send many); known ones are checked."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class _TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class _StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _OpenAIMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[_TextPart] | None = None
+
+
+class _OpenAICommon(_Lenient):
+    model: Annotated[str, Field(min_length=1, max_length=256)]
+    stream: bool = False
+    stream_options: _StreamOptions | None = None
+    temperature: _Temperature | None = None
+    top_p: _TopP | None = None
+    seed: _Seed | None = None
+    stop: _Stop | Annotated[list[_Stop], Field(max_length=16)] | None = None
+    n: Annotated[int, Field(ge=1, le=1)] = 1
+
+
+class _ChatBody(_OpenAICommon):
+    messages: Annotated[list[_OpenAIMessage], Field(min_length=1, max_length=1024)]
+    max_tokens: _MaxTokens | None = None
+    max_completion_tokens: _MaxTokens | None = None
+
+
+class _CompletionBody(_OpenAICommon):
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
+    max_tokens: _MaxTokens | None = 16  # the Completions API's own default
+    echo: Literal[False] = False
+    best_of: Annotated[int, Field(ge=1, le=1)] | None = None
+
+
+class _AnthropicBlock(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class _AnthropicMessage(_Lenient):
+    role: Literal["user", "assistant"]
+    content: str | list[_AnthropicBlock]
+
+
+class _MessagesBody(_Lenient):
+    model: Annotated[str, Field(min_length=1, max_length=256)]
+    max_tokens: _MaxTokens
+    messages: Annotated[list[_AnthropicMessage], Field(min_length=1, max_length=1024)]
+    system: str | list[_AnthropicBlock] | None = None
+    stop_sequences: Annotated[list[_Stop], Field(max_length=16)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=1)] | None = None
+    top_p: _TopP | None = None
+    top_k: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
+    stream: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CompatRequest:
+    """A parsed compatible request: what to generate and how to answer."""
+
+    model: str
+    generation: GenerationRequest
+    stream: bool
+    include_usage: bool = False
+
+
+def _explain(exc: ValidationError) -> tuple[str, str | None]:
+    """The message and the first offending parameter of a validation error."""
+    parts = []
+    param: str | None = None
+    for error in exc.errors(include_url=False):
+        where = ".".join(str(part) for part in error["loc"]) or "body"
+        param = param or where
+        parts.append(f"{where}: {error['msg']}")
+    return "; ".join(parts), param
+
+
+def _validate(model: type[_Body], payload: object) -> _Body:
+    if not isinstance(payload, dict):
+        raise InvalidParameterError("request body must be a JSON object")
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        message, param = _explain(exc)
+        raise InvalidParameterError(message, param) from exc
+
+
+def _text(content: str | list[_TextPart] | list[_AnthropicBlock] | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text for part in content)
+
+
+def _check_chars(text: str, settings: Settings, what: str) -> None:
+    if len(text) > settings.max_prompt_chars:
+        raise InvalidParameterError(
+            f"{what}: {len(text)} characters is over the limit of {settings.max_prompt_chars}",
+            what,
+        )
+
+
+def _check_max_tokens(max_tokens: int | None, settings: Settings, param: str) -> None:
+    if max_tokens is not None and max_tokens > settings.max_tokens_limit:
+        raise InvalidParameterError(
+            f"{param}: must be at most {settings.max_tokens_limit}, got {max_tokens}", param
+        )
+
+
+def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def parse_openai(payload: object, settings: Settings, *, chat: bool) -> CompatRequest:
+    """A ``POST /v1/chat/completions`` (``chat``) or ``POST /v1/completions`` body."""
+    body: _ChatBody | _CompletionBody
+    if chat:
+        body = _validate(_ChatBody, payload)
+        messages = tuple(
+            ChatMessage("system" if m.role == "developer" else m.role, _text(m.content))
+            for m in body.messages
+        )
+        _check_chars("".join(m.content for m in messages), settings, "messages")
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        _check_max_tokens(max_tokens, settings, "max_tokens")
+        prompt = ""
+    else:
+        body = _validate(_CompletionBody, payload)
+        prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+        _check_chars(prompt, settings, "prompt")
+        max_tokens = body.max_tokens
+        _check_max_tokens(max_tokens, settings, "max_tokens")
+        messages = None
+    generation = GenerationRequest(
+        prompt=prompt,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        stop=_stops(body.stop),
+    )
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    return CompatRequest(body.model, generation, body.stream, include_usage)
+
+
+def parse_anthropic_messages(payload: object, settings: Settings) -> CompatRequest:
+    """A ``POST /v1/messages`` body."""
+    body = _validate(_MessagesBody, payload)
+    messages = [ChatMessage(m.role, _text(m.content)) for m in body.messages]
+    if body.system is not None:
+        messages.insert(0, ChatMessage("system", _text(body.system)))
+    _check_chars("".join(m.content for m in messages), settings, "messages")
+    _check_max_tokens(body.max_tokens, settings, "max_tokens")
+    generation = GenerationRequest(
+        prompt="",
+        messages=tuple(messages),
+        max_tokens=body.max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        stop=tuple(body.stop_sequences or ()),
+    )
+    return CompatRequest(body.model, generation, body.stream, include_usage=True)
