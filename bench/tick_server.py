@@ -52,6 +52,9 @@ class TickGeneration:
         self._num_emitted = 0
         self._aborted = False
 
+    async def start(self) -> None:
+        """Nothing to admit: the text is already here."""
+
     def __aiter__(self) -> AsyncIterator[Delta]:
         return self._run()
 
