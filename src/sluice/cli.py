@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -18,6 +19,11 @@ from sluice import __version__
 from sluice.backends.base import Backend
 from sluice.backends.chat import ChatTemplate
 from sluice.backends.engine import EngineBackend
+from sluice.backends.upstream_config import (
+    UpstreamSpec,
+    list_upstream_models,
+    load_upstream_config,
+)
 from sluice.engine.driver import AsyncEngine
 from sluice.engine.engine import Engine, EngineConfig
 from sluice.engine.loader import load_checkpoint
@@ -58,16 +64,57 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--model",
         type=Path,
-        default=BUNDLED_MODEL,
+        default=None,
         metavar="PATH",
         help="serve this Hugging Face-format GPT-2 or Llama checkpoint directory "
         "(config.json, *.safetensors, tokenizer.json) with the embedded engine, under the "
-        "directory's name, as the default model (the bundled model is 'sluice-tiny')",
+        "directory's name, as the default model (default: the bundled 'sluice-tiny', "
+        "unless upstreams are configured)",
     )
     serve.add_argument(
         "--no-model",
         action="store_true",
-        help="load no model: serve only the 'words' demo backend",
+        help="load no model into the embedded engine",
+    )
+    serve.add_argument(
+        "--upstream",
+        metavar="URL",
+        help="proxy an OpenAI-compatible server (vLLM, TGI, llama.cpp, Ollama, OpenAI) at "
+        "this API root, e.g. http://127.0.0.1:8001/v1",
+    )
+    serve.add_argument(
+        "--upstream-model",
+        action="append",
+        metavar="NAME",
+        help="a model of --upstream to serve, under the same name (repeatable; default: "
+        "every model its /models lists at start-up)",
+    )
+    serve.add_argument(
+        "--upstream-key",
+        default=os.environ.get("SLUICE_UPSTREAM_KEY"),
+        metavar="KEY",
+        help="bearer key for --upstream (default: $SLUICE_UPSTREAM_KEY)",
+    )
+    serve.add_argument(
+        "--upstream-connect-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="connect timeout for --upstream",
+    )
+    serve.add_argument(
+        "--upstream-read-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="longest silence from --upstream before the stream fails",
+    )
+    serve.add_argument(
+        "--upstream-config",
+        type=Path,
+        metavar="FILE",
+        help="a TOML file of [[upstream]] tables (name, base_url, model, api_key_env, "
+        "connect_timeout_s, read_timeout_s) to proxy several upstreams",
     )
     serve.add_argument(
         "--kv-blocks",
@@ -222,6 +269,26 @@ def _embedded_engine(args: argparse.Namespace) -> tuple[str, Backend, AsyncEngin
     return checkpoint.name, backend, driver
 
 
+def _upstreams(args: argparse.Namespace) -> list[UpstreamSpec]:
+    """The upstreams of ``--upstream-config`` and ``--upstream``."""
+    specs = [] if args.upstream_config is None else load_upstream_config(args.upstream_config)
+    if args.upstream is not None:
+        names = args.upstream_model or list_upstream_models(args.upstream, args.upstream_key)
+        specs += [
+            UpstreamSpec(
+                name,
+                args.upstream,
+                api_key=args.upstream_key,
+                connect_timeout_s=args.upstream_connect_timeout,
+                read_timeout_s=args.upstream_read_timeout,
+            )
+            for name in names
+        ]
+    elif args.upstream_model:
+        raise ConfigError("--upstream-model needs --upstream")
+    return specs
+
+
 def serve(args: argparse.Namespace) -> int:
 
     try:
@@ -232,15 +299,24 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     backends: dict[str, Backend] = {}
     resources: list[contextlib.AbstractAsyncContextManager[object]] = []
-    if not args.no_model:
+    try:
+        for spec in _upstreams(args):
+            backends[spec.name] = spec.backend()
+    except ConfigError as exc:
+        print(f"sluice serve: {exc}", file=sys.stderr)
+        return 2
+    if args.model is None and not backends and not args.no_model:
+        args.model = BUNDLED_MODEL
+    if args.model is not None and not args.no_model:
         try:
             name, backend, driver = _embedded_engine(args)
         except (OSError, ValueError, ConfigError) as exc:
             print(f"sluice serve: --model {args.model}: {exc}", file=sys.stderr)
             return 2
-        backends[name] = backend
+        backends = {name: backend, **backends}  # the engine's model is the default
         resources.append(driver)
-        settings = dataclasses.replace(settings, default_model=name)
+    if backends:
+        settings = dataclasses.replace(settings, default_model=next(iter(backends)))
     app = create_app(settings, backends, resources)
     config = uvicorn.Config(
         app,

@@ -1,0 +1,605 @@
+"""The ``upstream`` backend: generations proxied from an OpenAI-compatible server.
+
+vLLM, TGI, llama.cpp, Ollama and OpenAI itself all stream ``POST /chat/completions`` and
+``POST /completions`` as server-sent events of JSON chunks ending in ``data: [DONE]``.
+:class:`UpstreamBackend` owns one ``httpx.AsyncClient`` (its connection pool) for one such
+server; each :class:`UpstreamGeneration` is one streamed request, sent when iteration
+starts (``start()``, or the first iteration) and read with our own bounded SSE decoder
+(:class:`sluice.sse.Decoder`). ``start()`` returns once the response head is in, so a
+refusal (a status, a refused connection) is raised there and can become an HTTP status.
+
+Reading. A chunk's ``choices[0].delta.content`` (chat) or ``choices[0].text``
+(completions) becomes a :class:`~sluice.events.TextDelta`, each ``delta.tool_calls[]``
+entry a :class:`~sluice.events.ToolCallDelta`, ``usage`` is kept for :meth:`usage`.
+Everything decoded from one network chunk becomes one :class:`Delta` (fewer, larger
+deltas; nothing is held back waiting for more). ``reasoning_content`` and other fields are
+ignored. Finish reasons outside our four are mapped by ``_FINISH_REASONS``: the upstream
+ended the output on purpose (``content_filter``, TGI's ``eos_token``, anything unknown)
+-> ``stop``; vLLM's ``abort`` (the engine dropped the request) is a retryable error.
+
+Errors, translated at this boundary (``raise ... from`` the httpx or decoder error); every
+message names the upstream URL and never the API key (upstream text is redacted):
+
+- status 400/404/409/413/422 -> :class:`~sluice.errors.BadRequestError` with the
+  upstream's message; 401/403 -> :class:`~sluice.errors.BackendError` (credentials, not
+  retryable); 429/503 -> :class:`~sluice.errors.CapacityError` (``Retry-After``, default
+  1 s); 408 and other 5xx -> retryable ``BackendError``; anything else -> ``BackendError``;
+- no free pooled connection within ``connect_timeout_s`` -> ``CapacityError``; connect
+  error, connect or read timeout -> retryable ``BackendError``;
+- malformed SSE, non-JSON data, chunks without the expected fields, a ``200`` answered
+  with JSON instead of a stream -> ``BackendError``; in-band ``{"error": ...}`` ->
+  ``BackendError`` with its message (retryable when its ``code`` is 429, 503 or 5xx);
+- the stream ending before ``[DONE]`` and before any finish reason -> retryable
+  ``BackendError``; after a finish reason it ends normally.
+
+Connections. :meth:`UpstreamGeneration.abort`, a consumer that stops iterating and a
+cancelled task all close the response before its body was read, which makes httpx close
+the connection instead of pooling it: the upstream sees the disconnect and frees its slot,
+and no half-read connection is ever reused. After ``[DONE]`` the rest of the body (the
+chunked terminator) is drained for up to ``_DRAIN_AFTER_DONE_S`` so that the connection
+goes back to the pool. ``trust_env`` is off: proxies and certificates come from arguments,
+never from the environment.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Final, cast
+
+import anyio
+import httpx
+import orjson
+
+from sluice.backends.base import Delta, GenerationRequest
+from sluice.errors import (
+    BackendError,
+    BadRequestError,
+    CapacityError,
+    ConfigError,
+    SluiceError,
+    SSEDecodeError,
+)
+from sluice.events import FinishReason, TextDelta, ToolCallDelta, Usage
+from sluice.sse import DEFAULT_MAX_EVENT_CHARS, DEFAULT_MAX_LINE_BYTES, Decoder
+
+__all__ = ["UpstreamBackend", "UpstreamGeneration"]
+
+# Seconds a client is asked to wait after a 429/503 without a usable Retry-After, and after
+# finding every pooled connection busy.
+_DEFAULT_RETRY_AFTER_S: Final = 1.0
+# A Retry-After of more digits (over 31 years) is nonsense; the default is used instead.
+_MAX_RETRY_AFTER_DIGITS: Final = 9
+# An error body is a short JSON object or a line of text; beyond this nothing is read.
+_MAX_ERROR_BODY_BYTES: Final = 64 << 10
+# Upstream text quoted in our messages (error messages, bad chunks) is cut to this length.
+_MAX_QUOTED_CHARS: Final = 500
+# After [DONE] only the chunked terminator should follow; draining it returns the
+# connection to the pool. A stuck upstream costs at most this long, then the connection is
+# closed instead.
+_DRAIN_AFTER_DONE_S: Final = 1.0
+_MAX_DRAIN_BYTES: Final = 64 << 10
+
+_BAD_REQUEST_STATUSES: Final = frozenset({400, 404, 409, 413, 422})
+_CREDENTIAL_STATUSES: Final = frozenset({401, 403})
+_CAPACITY_STATUSES: Final = frozenset({429, 503})
+
+_FINISH_REASONS: Final[Mapping[str, FinishReason]] = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "tool_calls": FinishReason.TOOL_CALLS,
+    "function_call": FinishReason.TOOL_CALLS,  # OpenAI's legacy functions
+    "content_filter": FinishReason.STOP,  # ended on purpose; what was sent stands
+    "eos_token": FinishReason.STOP,  # TGI
+    "stop_sequence": FinishReason.STOP,  # TGI
+}
+_ABORTED_FINISH_REASON: Final = "abort"  # vLLM: the engine dropped the request
+
+
+@dataclass(frozen=True, slots=True)
+class _Upstream:
+    """What every generation of one backend shares."""
+
+    client: httpx.AsyncClient
+    api_key: str | None
+    connect_timeout_s: float
+    read_timeout_s: float
+    max_line_bytes: int
+    max_event_chars: int
+
+    def quote(self, text: str) -> str:
+        """Upstream text made safe to put in a message: key redacted, length bounded."""
+        if self.api_key:
+            text = text.replace(self.api_key, "<api key>")
+        return text if len(text) <= _MAX_QUOTED_CHARS else text[:_MAX_QUOTED_CHARS] + "..."
+
+
+class UpstreamGeneration:
+    """One streamed upstream request, sent by ``start()`` (or the first iteration);
+    iterable once."""
+
+    __slots__ = (
+        "_aborted",
+        "_body",
+        "_chat",
+        "_done",
+        "_finish_reason",
+        "_iterated",
+        "_num_events",
+        "_response",
+        "_send_scope",
+        "_sent",
+        "_upstream",
+        "_url",
+        "_usage",
+    )
+
+    def __init__(self, upstream: _Upstream, url: str, body: bytes, *, chat: bool) -> None:
+        self._upstream = upstream
+        self._url = url
+        self._body = body
+        self._chat = chat
+        self._sent = False
+        self._iterated = False
+        self._aborted = False
+        self._done = False  # [DONE] seen
+        self._finish_reason: FinishReason | None = None
+        self._num_events = 0
+        self._usage: Usage | None = None
+        self._response: httpx.Response | None = None
+        self._send_scope: anyio.CancelScope | None = None
+
+    async def start(self) -> None:
+        """Send the request and read the response head (once; nothing after an abort).
+
+        Raises the error for a refusal: a status, a refused connection, a timeout.
+        """
+        if self._sent or self._aborted:
+            return
+        self._sent = True
+        await self._open()
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        if self._iterated:
+            raise RuntimeError("an UpstreamGeneration can be iterated only once")
+        self._iterated = True
+        return self._run()
+
+    async def abort(self) -> None:
+        """Close the upstream request and its connection (idempotent, safe in every state)."""
+        self._aborted = True
+        if self._send_scope is not None:  # connecting or waiting for the response head
+            self._send_scope.cancel()
+        if self._response is not None:
+            await self._response.aclose()  # unread body: httpx closes the connection
+
+    def usage(self) -> Usage:
+        if self._usage is not None:
+            return self._usage
+        return Usage(prompt_tokens=0, completion_tokens=self._num_events)
+
+    def _abort_requested(self) -> bool:
+        return self._aborted
+
+    async def _run(self) -> AsyncIterator[Delta]:
+        await self.start()
+        response = self._response
+        if response is None or response.is_closed:  # aborted, or start() failed
+            return
+        chunks = cast(AsyncGenerator[bytes, None], response.aiter_bytes())
+        decoder = Decoder(
+            max_line_bytes=self._upstream.max_line_bytes,
+            max_event_chars=self._upstream.max_event_chars,
+        )
+        try:
+            while not self._done:
+                try:
+                    chunk = await anext(chunks)
+                except StopAsyncIteration:
+                    break
+                except httpx.HTTPError as exc:
+                    if self._aborted or self._finish_reason is not None:
+                        return  # aborted, or the generation had finished anyway
+                    raise self._body_error(exc) from exc
+                if self._abort_requested():
+                    return
+                delta = self._delta(decoder, chunk)
+                if delta is not None:
+                    yield delta
+                    if self._abort_requested():  # abort() ran while the consumer held it
+                        return
+            if not self._done:
+                if self._finish_reason is None:
+                    raise BackendError(
+                        f"upstream {self._url} closed the stream before it finished",
+                        retryable=True,
+                    )
+                return
+            await _drain(chunks)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await chunks.aclose()
+                await response.aclose()
+
+    async def _open(self) -> None:
+        """Send the request; ``self._response`` is then the streaming response, unless an
+        abort came first."""
+        client = self._upstream.client
+        if client.is_closed:
+            raise BackendError(f"the backend for upstream {self._url} is closed")
+        request = client.build_request(
+            "POST", self._url, content=self._body, headers={"content-type": "application/json"}
+        )
+        response: httpx.Response | None = None
+        with anyio.CancelScope() as scope:
+            self._send_scope = scope
+            try:
+                response = await client.send(request, stream=True)
+            except httpx.HTTPError as exc:
+                raise self._send_error(exc) from exc
+            finally:
+                self._send_scope = None
+        if response is None:  # abort() cancelled the scope
+            return
+        self._response = response
+        if self._abort_requested():
+            await response.aclose()
+            return
+        if not response.is_success:
+            raise await self._status_error(response)
+        media_type = response.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type == "application/json":
+            await response.aclose()
+            raise BackendError(
+                f"upstream {self._url} answered with JSON, not an event stream "
+                "(does it support stream: true?)"
+            )
+
+    def _delta(self, decoder: Decoder, data: bytes) -> Delta | None:
+        """Everything one network chunk completed, as one delta (``None`` if nothing)."""
+        try:
+            sse_events = decoder.feed(data)
+        except SSEDecodeError as exc:
+            raise BackendError(
+                f"upstream {self._url} sent a malformed event stream: {exc}"
+            ) from exc
+        events: list[TextDelta | ToolCallDelta] = []
+        reason: FinishReason | None = None
+        for sse_event in sse_events:
+            if sse_event.data == "[DONE]":
+                self._done = True
+                break
+            chunk_reason = self._read_chunk(sse_event.data, events)
+            if chunk_reason is not None:
+                reason = chunk_reason
+        self._num_events += len(events)
+        if reason is not None:
+            self._finish_reason = reason
+        if events or reason is not None:
+            return Delta(events, reason)
+        return None
+
+    def _read_chunk(
+        self, data: str, events: list[TextDelta | ToolCallDelta]
+    ) -> FinishReason | None:
+        """Append one JSON chunk's events to ``events``; return its finish reason."""
+        try:
+            payload = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise self._malformed("data that is not JSON", data) from exc
+        if not isinstance(payload, dict):
+            raise self._malformed("data that is not a JSON object", data)
+        error = payload.get("error")
+        if error is not None:
+            raise self._in_band_error(error, data)
+        usage = payload.get("usage")
+        if usage is not None:
+            self._usage = self._parse_usage(usage, data)
+        choices = payload.get("choices")
+        if choices is None and usage is not None:
+            return None  # the usage-only chunk of include_usage
+        if not isinstance(choices, list):
+            raise self._malformed("a chunk without choices", data)
+        if not choices:
+            return None
+        choice = choices[0]
+        if not isinstance(choice, dict):
+            raise self._malformed("a choice that is not an object", data)
+        reason = self._finish_reason_of(choice.get("finish_reason"), data)
+        if self._chat:
+            delta = choice.get("delta")
+            if delta is None and reason is not None:
+                return reason
+            if not isinstance(delta, dict):
+                raise self._malformed("a chat choice without a delta", data)
+            content = delta.get("content")
+            if content is not None and not isinstance(content, str):
+                raise self._malformed("a delta whose content is not a string", data)
+            if content:
+                events.append(TextDelta(content))
+            tool_calls = delta.get("tool_calls")
+            if tool_calls:
+                self._read_tool_calls(tool_calls, events, data)
+        else:
+            text = choice.get("text")
+            if text is None and reason is not None:
+                return reason
+            if not isinstance(text, str):
+                raise self._malformed("a completion choice without text", data)
+            if text:
+                events.append(TextDelta(text))
+        return reason
+
+    def _read_tool_calls(
+        self, tool_calls: object, events: list[TextDelta | ToolCallDelta], data: str
+    ) -> None:
+        if not isinstance(tool_calls, list):
+            raise self._malformed("tool_calls that is not a list", data)
+        for position, call in enumerate(tool_calls):
+            if not isinstance(call, dict):
+                raise self._malformed("a tool call that is not an object", data)
+            index = call.get("index", position)
+            function = call.get("function") or {}
+            if isinstance(index, bool) or not isinstance(index, int):
+                raise self._malformed("a tool call without an integer index", data)
+            if not isinstance(function, dict):
+                raise self._malformed("a tool call whose function is not an object", data)
+            call_id = call.get("id")
+            name = function.get("name")
+            arguments = function.get("arguments") or ""
+            if not all(isinstance(v, str | None) for v in (call_id, name, arguments)):
+                raise self._malformed("a tool call with non-string fields", data)
+            events.append(ToolCallDelta(index, arguments, call_id, name))
+
+    def _finish_reason_of(self, raw: object, data: str) -> FinishReason | None:
+        if raw is None:
+            return None
+        if not isinstance(raw, str):
+            raise self._malformed("a finish_reason that is not a string", data)
+        if raw == _ABORTED_FINISH_REASON:
+            raise BackendError(f"upstream {self._url} aborted the generation", retryable=True)
+        return _FINISH_REASONS.get(raw, FinishReason.STOP)  # unknown: ended on purpose
+
+    def _parse_usage(self, usage: object, data: str) -> Usage:
+        if isinstance(usage, dict):
+            prompt = usage.get("prompt_tokens")
+            completion = usage.get("completion_tokens")
+            details = usage.get("prompt_tokens_details")
+            cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            if _is_count(prompt) and _is_count(completion):
+                return Usage(
+                    prompt_tokens=cast(int, prompt),
+                    completion_tokens=cast(int, completion),
+                    cached_tokens=cast(int, cached) if _is_count(cached) else 0,
+                )
+        raise self._malformed("usage without token counts", data)
+
+    def _malformed(self, what: str, data: str) -> BackendError:
+        return BackendError(f"upstream {self._url} sent {what}: {self._upstream.quote(data)!r}")
+
+    def _in_band_error(self, error: object, data: str) -> BackendError:
+        message = _message_of({"error": error}) or data
+        code = error.get("code") if isinstance(error, dict) else None
+        retryable = isinstance(code, int) and (code in _CAPACITY_STATUSES or code >= 500)
+        return BackendError(
+            f"upstream {self._url} reported an error: {self._upstream.quote(message)}",
+            retryable=retryable,
+        )
+
+    async def _status_error(self, response: httpx.Response) -> SluiceError:
+        """The error for a non-2xx answer, with the upstream's (bounded) message."""
+        body = bytearray()
+        try:
+            async for chunk in response.aiter_bytes():
+                body += chunk
+                if len(body) > _MAX_ERROR_BODY_BYTES:
+                    break
+        except httpx.HTTPError:
+            pass  # the status says enough; quote what arrived
+        finally:
+            await response.aclose()
+        status = response.status_code
+        message = self._upstream.quote(_error_message(bytes(body[:_MAX_ERROR_BODY_BYTES])))
+        url = self._url
+        if status in _BAD_REQUEST_STATUSES:
+            return BadRequestError(f"upstream {url} rejected the request ({status}): {message}")
+        if status in _CREDENTIAL_STATUSES:
+            return BackendError(f"upstream {url} refused our credentials ({status}): {message}")
+        if status in _CAPACITY_STATUSES:
+            return CapacityError(
+                f"upstream {url} is over capacity ({status}): {message}",
+                retry_after_s=_retry_after_s(response.headers.get("retry-after")),
+            )
+        retryable = status == 408 or status >= 500
+        return BackendError(f"upstream {url} answered {status}: {message}", retryable=retryable)
+
+    def _send_error(self, exc: httpx.HTTPError) -> SluiceError:
+        """The error for a request that got no response head."""
+        url = self._url
+        if isinstance(exc, httpx.PoolTimeout):
+            return CapacityError(
+                f"every connection to upstream {url} is busy",
+                retry_after_s=_DEFAULT_RETRY_AFTER_S,
+            )
+        if isinstance(exc, httpx.ConnectTimeout):
+            return BackendError(
+                f"upstream {url} did not accept a connection within "
+                f"{self._upstream.connect_timeout_s} s",
+                retryable=True,
+            )
+        if isinstance(exc, httpx.ConnectError):
+            return BackendError(f"cannot connect to upstream {url}: {exc}", retryable=True)
+        return self._body_error(exc)
+
+    def _body_error(self, exc: httpx.HTTPError) -> BackendError:
+        """The error for a transport failure once the request was sent."""
+        url = self._url
+        if isinstance(exc, httpx.ReadTimeout):
+            return BackendError(
+                f"upstream {url} sent nothing for {self._upstream.read_timeout_s} s",
+                retryable=True,
+            )
+        if isinstance(exc, httpx.NetworkError | httpx.TimeoutException | httpx.RemoteProtocolError):
+            return BackendError(
+                f"upstream {url} closed the stream before it finished ({type(exc).__name__})",
+                retryable=True,
+            )
+        return BackendError(f"request to upstream {url} failed: {type(exc).__name__}: {exc}")
+
+
+async def _drain(chunks: AsyncGenerator[bytes, None]) -> None:
+    """Read what follows ``[DONE]`` (the chunked terminator), briefly and boundedly."""
+    num_bytes = 0
+    with anyio.move_on_after(_DRAIN_AFTER_DONE_S):
+        try:
+            async for chunk in chunks:
+                num_bytes += len(chunk)
+                if num_bytes > _MAX_DRAIN_BYTES:
+                    return  # not a terminator: the connection is closed, not pooled
+        except httpx.HTTPError:
+            return
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _message_of(payload: object) -> str | None:
+    """The message of an error body: OpenAI ``{"error": {"message"}}``, TGI ``{"error"}``,
+    or ``{"message"}`` / ``{"detail"}``."""
+    if not isinstance(payload, dict):
+        return None
+    for key in ("error", "message", "detail"):
+        value = payload.get(key)
+        if isinstance(value, dict):
+            value = value.get("message")
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        message = _message_of(orjson.loads(body))
+    except orjson.JSONDecodeError:
+        message = None
+    if message is None:
+        message = body.decode("utf-8", "replace").strip() or "(no message)"
+    return message
+
+
+def _retry_after_s(value: str | None) -> float:
+    """``Retry-After`` (RFC 9110 §10.2.3): delta-seconds or an HTTP-date; else the default."""
+    if value is None:
+        return _DEFAULT_RETRY_AFTER_S
+    value = value.strip()
+    if value.isascii() and value.isdigit():
+        return float(value) if len(value) <= _MAX_RETRY_AFTER_DIGITS else _DEFAULT_RETRY_AFTER_S
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return _DEFAULT_RETRY_AFTER_S
+    if when.tzinfo is None:
+        return _DEFAULT_RETRY_AFTER_S
+    return max(0.0, when.timestamp() - time.time())
+
+
+def _request_body(request: GenerationRequest, upstream_model: str) -> bytes:
+    body: dict[str, object] = {
+        "model": upstream_model,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if request.messages is not None:
+        body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+    else:
+        body["prompt"] = request.prompt
+    for name in ("max_tokens", "temperature", "top_p", "seed", "top_k"):
+        value = getattr(request, name)
+        if value is not None:
+            body[name] = value  # top_k is not OpenAI's; vLLM and llama.cpp accept it
+    if request.stop:
+        body["stop"] = list(request.stop)
+    return orjson.dumps(body)
+
+
+class UpstreamBackend:
+    """Serves ``model`` from an OpenAI-compatible server at ``base_url`` (``.../v1``).
+
+    ``upstream_model`` is the name sent upstream (default ``model``). ``max_line_bytes``
+    and ``max_event_chars`` bound the SSE decoder. Call :meth:`aclose` to close the pool.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        upstream_model: str | None = None,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 60.0,
+        max_connections: int = 256,
+        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+        max_event_chars: int = DEFAULT_MAX_EVENT_CHARS,
+    ) -> None:
+        url = httpx.URL(base_url)
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ConfigError(f"upstream base_url must be an http(s) URL, not {base_url!r}")
+        if api_key is not None and not (api_key.isascii() and api_key.isprintable()):
+            raise ConfigError("upstream api_key must be printable ASCII")  # never quote it
+        for name, seconds in (
+            ("connect_timeout_s", connect_timeout_s),
+            ("read_timeout_s", read_timeout_s),
+        ):
+            if not seconds > 0:
+                raise ConfigError(f"{name} must be positive, not {seconds}")
+        if max_connections < 1:
+            raise ConfigError(f"max_connections must be at least 1, not {max_connections}")
+        Decoder(max_line_bytes=max_line_bytes, max_event_chars=max_event_chars)  # validates
+        self._model = model
+        self._upstream_model = upstream_model or model
+        base = base_url.rstrip("/")
+        self._chat_url = f"{base}/chat/completions"
+        self._completions_url = f"{base}/completions"
+        headers = {"accept": "text/event-stream", "accept-encoding": "identity"}
+        if api_key:
+            headers["authorization"] = f"Bearer {api_key}"
+        client = httpx.AsyncClient(
+            headers=headers,
+            timeout=httpx.Timeout(
+                connect=connect_timeout_s,
+                read=read_timeout_s,
+                write=read_timeout_s,
+                pool=connect_timeout_s,
+            ),
+            limits=httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections
+            ),
+            follow_redirects=False,
+            trust_env=False,
+        )
+        self._upstream = _Upstream(
+            client=client,
+            api_key=api_key or None,
+            connect_timeout_s=connect_timeout_s,
+            read_timeout_s=read_timeout_s,
+            max_line_bytes=max_line_bytes,
+            max_event_chars=max_event_chars,
+        )
+
+    @property
+    def model(self) -> str:
+        return self._model
+
+    def generate(self, request: GenerationRequest) -> UpstreamGeneration:
+        chat = request.messages is not None
+        url = self._chat_url if chat else self._completions_url
+        body = _request_body(request, self._upstream_model)
+        return UpstreamGeneration(self._upstream, url, body, chat=chat)
+
+    async def aclose(self) -> None:
+        """Close the connection pool (and with it any generation still reading)."""
+        await self._upstream.client.aclose()
