@@ -27,7 +27,7 @@ from typing import Protocol
 from sluice.backends.base import Delta, GenerationRequest
 from sluice.backends.chat import SIMPLE_TEMPLATE, ChatTemplate
 from sluice.engine.driver import AsyncEngine, EngineDriverError, RequestStream
-from sluice.engine.engine import RequestOutput
+from sluice.engine.engine import Engine, RequestOutput
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import QueueFullError
 from sluice.errors import BackendError, BadRequestError, CapacityError
@@ -217,6 +217,21 @@ class EngineBackend:
         return EngineGeneration(
             self._driver, self._tokenizer, self._chat, request, self._params, max_tokens
         )
+
+    async def stats(self) -> dict[str, int]:
+        """The engine's queues and KV cache right now (for ``/readyz`` and operators)."""
+
+        def snapshot(engine: Engine) -> dict[str, int]:
+            blocks = engine.block_manager_stats()
+            return {
+                "running": engine.num_running,
+                "waiting": engine.num_waiting,
+                "kv_blocks": blocks.num_blocks,
+                "kv_blocks_used": blocks.num_used_blocks,
+                "prefix_hits": blocks.num_prefix_hits,
+            }
+
+        return await self._driver.call(snapshot)
 
     async def aclose(self) -> None:
         """Nothing to release: the driver belongs to whoever started it."""

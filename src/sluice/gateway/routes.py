@@ -89,4 +89,11 @@ class NativeApi:
         return JSONResponse({"status": "ok"})
 
     async def readyz(self, request: Request) -> Response:
-        return JSONResponse({"status": "ready", "streams": len(self._hub)})
+        """Ready, with the streams held and each embedded engine's queues and KV cache."""
+        engines = {}
+        for name, backend in self._hub.backends.items():
+            stats = getattr(backend, "stats", None)
+            if stats is not None:
+                engines[name] = await stats()
+        payload = {"status": "ready", "streams": len(self._hub), "engines": engines}
+        return JSONResponse(payload)
