@@ -21,9 +21,10 @@ Run: ``python bench/tick_server.py --port 8001 --log-level warning [sluice serve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 import sluice.cli
 from sluice.backends.base import Backend, Delta, GenerationRequest
@@ -98,10 +99,15 @@ class TickBackend:
         return None
 
 
-def create_tick_app(settings: Settings | None = None) -> SluiceApp:
-    """Our app with the ``words`` model served by :class:`TickBackend`."""
-    backends: dict[str, Backend] = {"words": TickBackend("words")}
-    return create_app(settings, backends=backends)
+def create_tick_app(
+    settings: Settings | None = None,
+    backends: Mapping[str, Backend] | None = None,
+    resources: Sequence[contextlib.AbstractAsyncContextManager[object]] = (),
+) -> SluiceApp:
+    """``create_app`` with the ``words`` model served by :class:`TickBackend` (run with
+    ``--no-model``: other backends are served beside it)."""
+    served: dict[str, Backend] = {**(backends or {}), "words": TickBackend("words")}
+    return create_app(settings, served, resources)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
