@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import os
 import signal
@@ -265,8 +266,19 @@ def _embedded_engine(args: argparse.Namespace) -> tuple[str, Backend, AsyncEngin
         tokenizer,
         default_max_tokens=128,
         chat_template=ChatTemplate.for_checkpoint(args.model),
+        version=_weights_version(args.model),
     )
     return checkpoint.name, backend, driver
+
+
+def _weights_version(directory: Path) -> str:
+    """The first 12 hex digits of the SHA-256 of the checkpoint's weights."""
+    digest = hashlib.sha256()
+    for path in sorted(directory.glob("*.safetensors")):
+        with path.open("rb") as weights:
+            while chunk := weights.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()[:12]
 
 
 def _upstreams(args: argparse.Namespace) -> list[UpstreamSpec]:

@@ -233,7 +233,7 @@ def test_random_add_abort_step_operations_leak_no_block(model: GPT2LMHeadModel) 
     )
     known: list[int] = []
     num_refused = 0
-    for _ in range(300):
+    for _ in range(1000):
         op = rng.random()
         if op < 0.4:
             prompt = [rng.randrange(4) for _ in range(rng.randint(1, 20))]

@@ -198,6 +198,7 @@ class EngineBackend:
         default_max_tokens: int,
         params: SamplingParams | None = None,
         chat_template: ChatTemplate | None = None,
+        version: str = "",
     ) -> None:
         if default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be at least 1, got {default_max_tokens}")
@@ -207,6 +208,7 @@ class EngineBackend:
         self._default_max_tokens = default_max_tokens
         self._params = params or SamplingParams()
         self._chat = chat_template or ChatTemplate(SIMPLE_TEMPLATE)
+        self.version = version  # the ``model_version`` metrics label
 
     @property
     def model(self) -> str:

@@ -26,6 +26,7 @@ from sluice.gateway.errors import error_response
 from sluice.gateway.routes import NativeApi
 from sluice.gateway.settings import Settings
 from sluice.gateway.streaming import EventStreams
+from sluice.observability.metrics import Metrics
 from sluice.streams.hub import HubSettings, StreamHub
 from sluice.streams.log import LogLimits
 from sluice.streams.memory import MemoryEventLog
@@ -51,16 +52,19 @@ class SluiceApp:
             retention_s=settings.retention_s,
             max_streams=settings.max_streams,
         )
-        self.hub = StreamHub(log, backends, hub_settings)
-        self.streams = EventStreams(self.hub, settings)
+        versions = {name: str(getattr(b, "version", "")) for name, b in backends.items()}
+        self.metrics = Metrics(versions)
+        self.hub = StreamHub(log, backends, hub_settings, observer=self.metrics)
+        self.streams = EventStreams(self.hub, settings, self.metrics)
         page = package_data.files("sluice.web").joinpath("index.html").read_text("utf-8")
-        api = NativeApi(self.hub, settings, page)
-        compat = CompatAPI(self.hub, settings, self.streams.options)
+        api = NativeApi(self.hub, settings, page, self.metrics)
+        compat = CompatAPI(self.hub, settings, self.streams.options, self.metrics)
         self._framework = Starlette(
             routes=[
                 Route("/", api.page, methods=["GET"]),
                 Route("/healthz", api.healthz, methods=["GET"]),
                 Route("/readyz", api.readyz, methods=["GET"]),
+                Route("/metrics", api.metrics, methods=["GET"]),
                 Route("/v1/models", api.models, methods=["GET"]),
                 Route("/v1/streams", api.create_stream, methods=["POST"]),
                 Route("/v1/streams/{stream_id}", api.get_stream, methods=["GET"]),

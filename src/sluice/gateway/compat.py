@@ -45,6 +45,7 @@ from sluice.gateway.compat_requests import (
 from sluice.gateway.errors import REFUSAL_STATUS, PayloadTooLargeError
 from sluice.gateway.requests import read_json_body
 from sluice.gateway.settings import Settings
+from sluice.observability.metrics import Metrics
 from sluice.sse import encode_event
 from sluice.streams.hub import Stream, StreamHub
 from sluice.streams.log import Batch, EventLog
@@ -191,10 +192,13 @@ class _EventStreamResponse(Response):
 class CompatAPI:
     """The compatible endpoints over one hub."""
 
-    def __init__(self, hub: StreamHub, settings: Settings, options: SSEOptions) -> None:
+    def __init__(
+        self, hub: StreamHub, settings: Settings, options: SSEOptions, metrics: Metrics
+    ) -> None:
         self._hub = hub
         self._settings = settings
         self._options = options
+        self._metrics = metrics
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, "chat")
@@ -219,6 +223,7 @@ class CompatAPI:
             resumable = request.headers.get(RESUMABLE_HEADER, "").lower() == "true"
             stream = await self._hub.create(parsed.model, parsed.generation, resumable=resumable)
         except SluiceError as exc:
+            self._metrics.refused_before_start(exc)
             return self._error(kind, exc)
         dialect = Dialect(
             kind=kind,
@@ -231,6 +236,7 @@ class CompatAPI:
         stream.dialect = dialect
         first = await self._hub.first_event(stream.id)
         if isinstance(first, Error):
+            self._metrics.refusals.labels(first.type).inc()
             return self._refused(kind, first)
         reader = self._hub.open_reader(stream.id, 0)
         if not parsed.stream:

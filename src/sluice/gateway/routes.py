@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
@@ -10,6 +12,7 @@ from sluice.events import Error
 from sluice.gateway.errors import refusal_response, response_for
 from sluice.gateway.requests import generation_request, parse_create_stream, read_json_body
 from sluice.gateway.settings import Settings
+from sluice.observability.metrics import CONTENT_TYPE, Metrics
 from sluice.streams.hub import Stream, StreamHub
 from sluice.streams.ids import is_stream_id
 
@@ -19,10 +22,13 @@ __all__ = ["NativeApi"]
 class NativeApi:
     """Request handlers bound to one hub."""
 
-    def __init__(self, hub: StreamHub, settings: Settings, page_html: str) -> None:
+    def __init__(
+        self, hub: StreamHub, settings: Settings, page_html: str, metrics: Metrics
+    ) -> None:
         self._hub = hub
         self._settings = settings
         self._page_html = page_html
+        self._metrics = metrics
 
     def _stream(self, request: Request) -> Stream:
         stream_id = request.path_params["stream_id"]
@@ -44,8 +50,10 @@ class NativeApi:
             )
             first = await self._hub.first_event(stream.id)
         except SluiceError as exc:
+            self._metrics.refused_before_start(exc)
             return response_for(exc)
         if isinstance(first, Error):  # the backend refused it: answer with a status, not 201
+            self._metrics.refusals.labels(first.type).inc()
             return refusal_response(first)
         base = f"/v1/streams/{stream.id}"
         payload = {
@@ -90,10 +98,20 @@ class NativeApi:
 
     async def readyz(self, request: Request) -> Response:
         """Ready, with the streams held and each embedded engine's queues and KV cache."""
-        engines = {}
-        for name, backend in self._hub.backends.items():
-            stats = getattr(backend, "stats", None)
-            if stats is not None:
-                engines[name] = await stats()
+        engines = {name: await stats() for name, stats in engine_stats(self._hub).items()}
         payload = {"status": "ready", "streams": len(self._hub), "engines": engines}
         return JSONResponse(payload)
+
+    async def metrics(self, request: Request) -> Response:
+        body = await self._metrics.render(engine_stats(self._hub))
+        return Response(body, media_type=CONTENT_TYPE)
+
+
+def engine_stats(hub: StreamHub) -> dict[str, Callable[[], Awaitable[dict[str, int]]]]:
+    """The ``stats()`` of every backend that has one (the embedded engines)."""
+    found = {}
+    for name, backend in hub.backends.items():
+        stats = getattr(backend, "stats", None)
+        if stats is not None:
+            found[name] = stats
+    return found

@@ -13,11 +13,18 @@ from urllib.parse import parse_qs
 
 from starlette.responses import Response
 
-from sluice.errors import BadEventIdError, BadRequestError, SluiceError
+from sluice.errors import (
+    BadEventIdError,
+    BadRequestError,
+    ResumeGapError,
+    SluiceError,
+    StreamNotFoundError,
+)
 from sluice.gateway.compat import Dialect
 from sluice.gateway.errors import response_for
 from sluice.gateway.requests import check_bounds, last_event_id, to_generation_request
 from sluice.gateway.settings import Settings
+from sluice.observability.metrics import Metrics
 from sluice.streams.hub import Stream, StreamHub
 from sluice.streams.ids import is_stream_id
 from sluice.streams.reader import Reader
@@ -36,9 +43,10 @@ _DEMO_PATH = "/v1/demo/words"
 class EventStreams:
     """Serves SSE reads of the hub's streams."""
 
-    def __init__(self, hub: StreamHub, settings: Settings) -> None:
+    def __init__(self, hub: StreamHub, settings: Settings, metrics: Metrics) -> None:
         self._hub = hub
         self._settings = settings
+        self._metrics = metrics
         self.options = SSEOptions(
             heartbeat_interval_s=settings.heartbeat_interval_s,
             retry_ms=settings.retry_ms,
@@ -102,6 +110,13 @@ class EventStreams:
 
     def _resume(self, position: tuple[str, int, int], stream_id: str | None) -> Reader | None:
         position_stream, after_seq, frames = position
+        self._metrics.resumes.inc()
+        try:
+            self._hub.log.read(position_stream, after_seq, 1)
+        except ResumeGapError:
+            self._metrics.resume_gaps.inc()  # the reader's first read reports it in-band
+        except StreamNotFoundError:
+            pass  # answered below
         if stream_id is not None and position_stream != stream_id:
             raise BadEventIdError(
                 f"Last-Event-ID belongs to stream {position_stream}, not {stream_id}"

@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from sluice.backends.base import Backend, Generation, GenerationRequest
 from sluice.errors import (
@@ -37,7 +38,7 @@ from sluice.streams.log import EventLog
 from sluice.streams.reader import Reader
 from sluice.streams.state import TERMINAL_STATES, StreamState, next_state
 
-__all__ = ["HubSettings", "Stream", "StreamHub"]
+__all__ = ["HubSettings", "Stream", "StreamHub", "StreamObserver"]
 
 logger = logging.getLogger("sluice.streams")
 
@@ -64,6 +65,21 @@ class HubSettings:
             raise ValueError("max_streams must be at least 1")
 
 
+class StreamObserver(Protocol):
+    """Told what every stream does, for metrics; each call must be quick and not raise."""
+
+    def started(self, stream: Stream, queued_s: float) -> None:
+        """The backend admitted the work ``queued_s`` after the stream was created."""
+
+    def tokens(self, stream: Stream, count: int, since_s: float, first: bool) -> None:
+        """``count`` token events arrived, ``since_s`` after the creation (``first``) or
+        after the previous ones."""
+
+    def finished(self, stream: Stream, outcome: str, e2e_s: float) -> None:
+        """The stream ended: ``stop``, ``length``, ``tool_calls``, ``cancelled``,
+        ``client_gone`` or ``error``."""
+
+
 @dataclass(slots=True, eq=False)
 class Stream:
     """The hub's record of one stream."""
@@ -84,6 +100,11 @@ class Stream:
     # How the stream's readers render it when not in the native dialect (set by the
     # gateway; opaque here): a resumed read renders in the dialect it was created in.
     dialect: object | None = None
+    # Why a cancel was asked for: "cancelled" (on request) or "client_gone" (no reader).
+    cancel_cause: str = "cancelled"
+    admitted: bool = False  # the backend's start() succeeded
+    # time.monotonic() at creation, for the observer's latencies.
+    created_mono: float = field(default_factory=time.monotonic, repr=False)
     # The grace window while live; the retention window once terminal.
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
@@ -114,8 +135,10 @@ class StreamHub:
         log: EventLog,
         backends: Mapping[str, Backend],
         settings: HubSettings | None = None,
+        observer: StreamObserver | None = None,
     ) -> None:
         self._log = log
+        self._observer = observer
         self._backends = dict(backends)
         self.settings = settings or HubSettings()
         self._streams: dict[str, Stream] = {}
@@ -254,6 +277,7 @@ class StreamHub:
         if stream.resumable and stream.grace_s > 0:
             self._arm_grace(stream)
         else:
+            stream.cancel_cause = "client_gone"
             self.cancel(reader.stream_id)
 
     def _arm_grace(self, stream: Stream) -> None:
@@ -269,6 +293,7 @@ class StreamHub:
         stream.timer = None
         if not stream.readers:
             logger.info("stream %s: no reader within %.1f s, cancelling", stream_id, stream.grace_s)
+            stream.cancel_cause = "client_gone"
             self.cancel(stream_id)
 
     # ------------------------------------------------------------------ producer
@@ -285,13 +310,22 @@ class StreamHub:
                 raise asyncio.CancelledError
             stream.state = next_state(stream.id, stream.state, StreamState.RUNNING)
             await generation.start()  # admission: a refusal is the stream's first event
+            stream.admitted = True
+            observer = self._observer
+            if observer is not None:
+                observer.started(stream, time.monotonic() - stream.created_mono)
             await self._append(stream, Started(model=stream.model, created=int(stream.created)))
             reason = FinishReason.STOP
             num_deltas = 0
             append = self._log.append
+            last = stream.created_mono  # so the first token's interval is its TTFT
             async for delta in generation:
                 events = delta.events
                 if events:
+                    if observer is not None:
+                        now = time.monotonic()
+                        observer.tokens(stream, len(events), now - last, not stream.num_tokens)
+                        last = now
                     await append(stream.id, events)
                     stream.num_events += len(events)
                     stream.num_tokens += len(events)
@@ -344,6 +378,11 @@ class StreamHub:
             stream.finish_reason = terminal.reason.value
         else:
             stream.finish_reason = "error"
+        if self._observer is not None:
+            outcome = stream.finish_reason
+            if outcome == FinishReason.CANCELLED.value:
+                outcome = stream.cancel_cause
+            self._observer.finished(stream, outcome, time.monotonic() - stream.created_mono)
         stream.state = next_state(stream.id, stream.state, target)
         if stream.timer is not None:
             stream.timer.cancel()
