@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import hashlib
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,7 +18,7 @@ from types import FrameType
 
 import uvicorn
 
-from sluice import __version__
+from sluice import __version__, loadgen
 from sluice.backends.base import Backend
 from sluice.backends.chat import ChatTemplate
 from sluice.backends.engine import EngineBackend
@@ -29,11 +31,13 @@ from sluice.engine.driver import AsyncEngine
 from sluice.engine.engine import Engine, EngineConfig
 from sluice.engine.loader import load_checkpoint
 from sluice.errors import ConfigError
-from sluice.gateway.app import create_app
+from sluice.gateway.app import SluiceApp, create_app
 from sluice.gateway.protocol import SluiceHttpProtocol
 from sluice.gateway.settings import Settings
 
 __all__ = ["BUNDLED_MODEL", "build_parser", "main"]
+
+logger = logging.getLogger("sluice.serve")
 
 # The tiny GPT-2 the repository ships (see scripts/train_tiny_model.py), served by default.
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "sluice-tiny"
@@ -184,6 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="browser origin allowed to call the API (repeatable; default: any origin)",
     )
     serve.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, how long live streams get to finish while new ones are "
+        "refused (503) and /readyz says 503; the rest then end with a retryable error",
+    )
+    serve.add_argument(
         "--shutdown-timeout",
         type=float,
         default=5.0,
@@ -210,6 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=False,
         help="log every HTTP request",
     )
+    bench = commands.add_parser(
+        "bench",
+        help="load an OpenAI-compatible or native endpoint; report TTFT, ITL, tokens/s",
+        description="Load an OpenAI-compatible or native Sluice endpoint at a concurrency or "
+        "request-rate sweep and report TTFT, inter-token latency, tokens/s, errors and "
+        "refusals (p50/p90/p99) as a table and JSON.",
+    )
+    loadgen.add_arguments(bench)
     return parser
 
 
@@ -227,15 +247,51 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, where SIGTERM is a normal stop: drain, then exit 0.
+    """uvicorn's server, where SIGTERM drains first, then stops, and exits 0.
 
-    uvicorn re-raises the signal it shut down for, so the process would die of SIGTERM
-    after draining; a supervisor (systemd, Kubernetes) asked for exactly this stop.
+    The first SIGTERM (or SIGINT) starts the drain: ``/readyz`` turns 503 and new streams
+    are refused (503 + ``Retry-After``) while the listener stays open, live streams get
+    ``drain_timeout_s`` to finish, and the rest end on an event boundary with a retryable
+    error. Then uvicorn's own shutdown runs. A second signal skips what is left of the
+    drain. uvicorn re-raises the signal it shut down for, so the process would die of
+    SIGTERM after draining; a supervisor (systemd, Kubernetes) asked for exactly this stop.
     """
 
+    def __init__(self, config: uvicorn.Config, app: SluiceApp, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self._app = app
+        self._drain_timeout_s = drain_timeout_s
+        self._drain: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler runs between any two bytecodes: hand over to the loop.
+        loop = self._loop
+        if self._drain is None and loop is not None and self._app.hub.running_now:
+            loop.call_soon_threadsafe(self._start_drain, sig)
+            return
+        self._exit(sig, frame)
+
+    def _start_drain(self, sig: int) -> None:
+        if self._drain is None:
+            self._drain = asyncio.get_running_loop().create_task(self._drain_then_exit(sig))
+        else:
+            self._exit(sig, None)  # a second signal: stop now
+
+    async def _drain_then_exit(self, sig: int) -> None:
+        logger.info("draining: %d live streams", len(self._app.hub.live_streams()))
+        try:
+            await self._app.hub.drain(self._drain_timeout_s)
+        finally:
+            self._exit(sig, None)
+
+    def _exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
-        if sig == signal.SIGTERM:
+        if sig == signal.SIGTERM and sig in self._captured_signals:
             # uvicorn 0.54 records signals here to re-raise them after shutdown.
             self._captured_signals.remove(sig)
 
@@ -346,7 +402,7 @@ def serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
     print(f"Sluice {__version__}: page at http://{args.host}:{args.port}/", flush=True)
-    _Server(config).run()
+    _Server(config, app, args.drain_timeout).run()
     return 0
 
 
@@ -354,6 +410,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "bench":
+        return loadgen.run(args)
     raise AssertionError(f"unhandled command {args.command!r}")  # pragma: no cover
 
 

@@ -30,9 +30,15 @@ from sluice.events import (
     ToolCallDelta,
     Usage,
 )
-
-WEATHER = '{"city": "Paris", "unit": "c"}'
-HELLO: list[NeutralEvent] = [Started("m", 1700), TextDelta("Hel"), TextDelta("lo"), Usage(5, 2)]
+from tests.dialects.helpers import (
+    HELLO,
+    WEATHER,
+    assert_failed_with,
+    assert_refuses_after_terminal,
+    assert_renders_nothing_after,
+    assert_unfinished,
+    feed_all,
+)
 
 
 def renderer(input_tokens: int = 5) -> MessagesRenderer:
@@ -55,9 +61,7 @@ def pairs(events: Sequence[NeutralEvent], r: MessagesRenderer | None = None) -> 
 
 def accumulate(events: Sequence[NeutralEvent], input_tokens: int = 5) -> Accumulator:
     acc = Accumulator(message_id="msg_1", model="m", input_tokens=input_tokens)
-    for event in events:
-        acc.feed(event)
-    return acc
+    return feed_all(acc, events)
 
 
 START = [
@@ -308,11 +312,7 @@ def test_error_renders_one_error_and_no_message_stop(error: Error, type_: str) -
 
 @pytest.mark.parametrize("terminal", [Finished(FinishReason.STOP), Error("backend_error", "x")])
 def test_nothing_renders_after_the_terminal_event(terminal: NeutralEvent) -> None:
-    r = renderer()
-    r.render(terminal)
-    for event in (TextDelta("late"), Usage(1, 1), Finished(FinishReason.STOP)):
-        with pytest.raises(ProtocolError, match="after the terminal event"):
-            r.render(event)
+    assert_renders_nothing_after(renderer().render, terminal)
 
 
 # --- whole messages -----------------------------------------------------------------------
@@ -390,23 +390,15 @@ def test_accumulator_unusable_arguments_give_an_empty_input(arguments: str) -> N
 def test_accumulator_failed_stream_gives_status_and_body(
     terminal: NeutralEvent, status: int, body: dict[str, object]
 ) -> None:
-    acc = accumulate([*HELLO, terminal])
-    assert acc.error() == (status, body)
-    with pytest.raises(ProtocolError, match="failed"):
-        acc.result()
+    assert_failed_with(accumulate([*HELLO, terminal]), status, body)
 
 
 def test_accumulator_result_before_the_end_raises() -> None:
-    acc = accumulate(HELLO)
-    assert not acc.finished
-    with pytest.raises(ProtocolError, match="not finished"):
-        acc.result()
+    assert_unfinished(accumulate(HELLO))
 
 
 def test_accumulator_refuses_events_after_the_terminal_one() -> None:
-    acc = accumulate([Error("backend_error", "x")])
-    with pytest.raises(ProtocolError, match="after the terminal event"):
-        acc.feed(TextDelta("late"))
+    assert_refuses_after_terminal(accumulate([Error("backend_error", "x")]))
 
 
 # --- error bodies -------------------------------------------------------------------------

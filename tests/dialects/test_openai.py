@@ -32,10 +32,18 @@ from sluice.events import (
     ToolCallDelta,
     Usage,
 )
+from tests.dialects.helpers import (
+    HELLO,
+    WEATHER,
+    assert_failed_with,
+    assert_refuses_after_terminal,
+    assert_renders_nothing_after,
+    assert_unfinished,
+    feed_all,
+)
 
 HEAD = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1700, "model": "m"}
 TEXT_HEAD = {"id": "cmpl-1", "object": "text_completion", "created": 1700, "model": "m"}
-WEATHER = '{"city": "Paris", "unit": "c"}'
 
 
 def renderer(kind: CompletionKind = "chat", *, include_usage: bool = False) -> ChunkRenderer:
@@ -52,9 +60,7 @@ def renderer(kind: CompletionKind = "chat", *, include_usage: bool = False) -> C
 def accumulate(events: Sequence[NeutralEvent], kind: CompletionKind = "chat") -> Accumulator:
     completion_id = "chatcmpl-1" if kind == "chat" else "cmpl-1"
     acc = Accumulator(kind=kind, completion_id=completion_id, model="m", created=1700)
-    for event in events:
-        acc.feed(event)
-    return acc
+    return feed_all(acc, events)
 
 
 def render(events: Sequence[NeutralEvent], r: ChunkRenderer | None = None) -> list[str]:
@@ -79,7 +85,6 @@ def with_usage_null(chunks: list[dict[str, object]]) -> list[dict[str, object]]:
 
 
 ROLE = {"role": "assistant", "content": ""}
-HELLO: list[NeutralEvent] = [Started("m", 1700), TextDelta("Hel"), TextDelta("lo"), Usage(5, 2)]
 
 
 def tool_start(index: int, id: str, name: str, arguments: str) -> dict[str, object]:
@@ -267,11 +272,7 @@ def test_chat_error_renders_one_error_and_no_done(error: Error, type_: str) -> N
 
 @pytest.mark.parametrize("terminal", [Finished(FinishReason.STOP), Error("backend_error", "x")])
 def test_nothing_renders_after_the_terminal_event(terminal: NeutralEvent) -> None:
-    r = renderer()
-    r.render(terminal)
-    for event in (TextDelta("late"), Usage(1, 1), Finished(FinishReason.STOP)):
-        with pytest.raises(ProtocolError, match="after the terminal event"):
-            r.render(event)
+    assert_renders_nothing_after(renderer().render, terminal)
 
 
 # --- streamed text completions ------------------------------------------------------------
@@ -444,24 +445,15 @@ def test_accumulator_text_completion() -> None:
 def test_accumulator_failed_stream_gives_status_and_body(
     terminal: NeutralEvent, status: int, body: dict[str, object]
 ) -> None:
-    acc = accumulate([*HELLO, terminal])
-    assert acc.error() == (status, body)
-    with pytest.raises(ProtocolError, match="failed"):
-        acc.result()
+    assert_failed_with(accumulate([*HELLO, terminal]), status, body)
 
 
 def test_accumulator_result_before_the_end_raises() -> None:
-    acc = accumulate(HELLO)
-    assert not acc.finished
-    assert acc.error() is None
-    with pytest.raises(ProtocolError, match="not finished"):
-        acc.result()
+    assert_unfinished(accumulate(HELLO))
 
 
 def test_accumulator_refuses_events_after_the_terminal_one() -> None:
-    acc = accumulate([Finished(FinishReason.STOP)])
-    with pytest.raises(ProtocolError, match="after the terminal event"):
-        acc.feed(TextDelta("late"))
+    assert_refuses_after_terminal(accumulate([Finished(FinishReason.STOP)]))
 
 
 # --- error bodies -------------------------------------------------------------------------

@@ -79,7 +79,6 @@ def test_metrics_follow_streams_refusals_and_resumes(server: ServerProcess) -> N
     assert moved("sluice_resumes_total") >= 1
     assert moved("sluice_tokens_total", **words) >= 3
     assert moved("sluice_time_to_first_token_seconds_count", **words) >= 3
-    assert moved("sluice_inter_token_latency_seconds_count", **words) >= 1
     tiny_finished = [
         dict(labels)
         for name, labels in after
@@ -87,5 +86,11 @@ def test_metrics_follow_streams_refusals_and_resumes(server: ServerProcess) -> N
     ]
     assert tiny_finished
     assert all(len(labels["model_version"]) == 12 for labels in tiny_finished)
+    tiny_version = {"model": "sluice-tiny", "model_version": tiny_finished[0]["model_version"]}
+    assert moved("sluice_streams_finished_total", **tiny_version, reason="length") >= 1
+    # four tokens, one engine step each: a first token and gaps (a token that ends
+    # inside a UTF-8 character releases no text: hence at least two)
+    assert moved("sluice_time_to_first_token_seconds_count", **tiny_version) >= 1
+    assert moved("sluice_inter_token_latency_seconds_count", **tiny_version) >= 2
     assert value(after, "sluice_engine_kv_blocks", **tiny) > 0
     assert value(after, "sluice_engine_running", **tiny) == 0

@@ -8,14 +8,10 @@ starts (``start()``, or the first iteration) and read with our own bounded SSE d
 (:class:`sluice.sse.Decoder`). ``start()`` returns once the response head is in, so a
 refusal (a status, a refused connection) is raised there and can become an HTTP status.
 
-Reading. A chunk's ``choices[0].delta.content`` (chat) or ``choices[0].text``
-(completions) becomes a :class:`~sluice.events.TextDelta`, each ``delta.tool_calls[]``
-entry a :class:`~sluice.events.ToolCallDelta`, ``usage`` is kept for :meth:`usage`.
-Everything decoded from one network chunk becomes one :class:`Delta` (fewer, larger
-deltas; nothing is held back waiting for more). ``reasoning_content`` and other fields are
-ignored. Finish reasons outside our four are mapped by ``_FINISH_REASONS``: the upstream
-ended the output on purpose (``content_filter``, TGI's ``eos_token``, anything unknown)
--> ``stop``; vLLM's ``abort`` (the engine dropped the request) is a retryable error.
+Reading. What one network chunk completes is decoded and handed to a
+:class:`~sluice.backends.openai_stream.ChunkReader`, which turns the chunks into one
+:class:`Delta` and keeps the usage (for :meth:`usage`) and finish reason; that module says
+how fields and finish reasons are read.
 
 Errors, translated at this boundary (``raise ... from`` the httpx or decoder error); every
 message names the upstream URL and never the API key (upstream text is redacted):
@@ -45,7 +41,7 @@ from __future__ import annotations
 
 import email.utils
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Final, cast
 
@@ -54,6 +50,7 @@ import httpx
 import orjson
 
 from sluice.backends.base import Delta, GenerationRequest
+from sluice.backends.openai_stream import CAPACITY_STATUSES, ChunkReader, message_of
 from sluice.errors import (
     BackendError,
     BadRequestError,
@@ -62,7 +59,7 @@ from sluice.errors import (
     SluiceError,
     SSEDecodeError,
 )
-from sluice.events import FinishReason, TextDelta, ToolCallDelta, Usage
+from sluice.events import Usage
 from sluice.sse import DEFAULT_MAX_EVENT_CHARS, DEFAULT_MAX_LINE_BYTES, Decoder
 
 __all__ = ["UpstreamBackend", "UpstreamGeneration"]
@@ -84,18 +81,6 @@ _MAX_DRAIN_BYTES: Final = 64 << 10
 
 _BAD_REQUEST_STATUSES: Final = frozenset({400, 404, 409, 413, 422})
 _CREDENTIAL_STATUSES: Final = frozenset({401, 403})
-_CAPACITY_STATUSES: Final = frozenset({429, 503})
-
-_FINISH_REASONS: Final[Mapping[str, FinishReason]] = {
-    "stop": FinishReason.STOP,
-    "length": FinishReason.LENGTH,
-    "tool_calls": FinishReason.TOOL_CALLS,
-    "function_call": FinishReason.TOOL_CALLS,  # OpenAI's legacy functions
-    "content_filter": FinishReason.STOP,  # ended on purpose; what was sent stands
-    "eos_token": FinishReason.STOP,  # TGI
-    "stop_sequence": FinishReason.STOP,  # TGI
-}
-_ABORTED_FINISH_REASON: Final = "abort"  # vLLM: the engine dropped the request
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,31 +108,23 @@ class UpstreamGeneration:
     __slots__ = (
         "_aborted",
         "_body",
-        "_chat",
-        "_done",
-        "_finish_reason",
         "_iterated",
-        "_num_events",
+        "_reader",
         "_response",
         "_send_scope",
         "_sent",
         "_upstream",
         "_url",
-        "_usage",
     )
 
     def __init__(self, upstream: _Upstream, url: str, body: bytes, *, chat: bool) -> None:
         self._upstream = upstream
         self._url = url
         self._body = body
-        self._chat = chat
         self._sent = False
         self._iterated = False
         self._aborted = False
-        self._done = False  # [DONE] seen
-        self._finish_reason: FinishReason | None = None
-        self._num_events = 0
-        self._usage: Usage | None = None
+        self._reader = ChunkReader(url=url, chat=chat, quote=upstream.quote)
         self._response: httpx.Response | None = None
         self._send_scope: anyio.CancelScope | None = None
 
@@ -176,9 +153,9 @@ class UpstreamGeneration:
             await self._response.aclose()  # unread body: httpx closes the connection
 
     def usage(self) -> Usage:
-        if self._usage is not None:
-            return self._usage
-        return Usage(prompt_tokens=0, completion_tokens=self._num_events)
+        if self._reader.usage is not None:
+            return self._reader.usage
+        return Usage(prompt_tokens=0, completion_tokens=self._reader.num_events)
 
     def _abort_requested(self) -> bool:
         return self._aborted
@@ -194,13 +171,13 @@ class UpstreamGeneration:
             max_event_chars=self._upstream.max_event_chars,
         )
         try:
-            while not self._done:
+            while not self._reader.done:
                 try:
                     chunk = await anext(chunks)
                 except StopAsyncIteration:
                     break
                 except httpx.HTTPError as exc:
-                    if self._aborted or self._finish_reason is not None:
+                    if self._aborted or self._reader.finish_reason is not None:
                         return  # aborted, or the generation had finished anyway
                     raise self._body_error(exc) from exc
                 if self._abort_requested():
@@ -210,8 +187,8 @@ class UpstreamGeneration:
                     yield delta
                     if self._abort_requested():  # abort() ran while the consumer held it
                         return
-            if not self._done:
-                if self._finish_reason is None:
+            if not self._reader.done:
+                if self._reader.finish_reason is None:
                     raise BackendError(
                         f"upstream {self._url} closed the stream before it finished",
                         retryable=True,
@@ -265,128 +242,7 @@ class UpstreamGeneration:
             raise BackendError(
                 f"upstream {self._url} sent a malformed event stream: {exc}"
             ) from exc
-        events: list[TextDelta | ToolCallDelta] = []
-        reason: FinishReason | None = None
-        for sse_event in sse_events:
-            if sse_event.data == "[DONE]":
-                self._done = True
-                break
-            chunk_reason = self._read_chunk(sse_event.data, events)
-            if chunk_reason is not None:
-                reason = chunk_reason
-        self._num_events += len(events)
-        if reason is not None:
-            self._finish_reason = reason
-        if events or reason is not None:
-            return Delta(events, reason)
-        return None
-
-    def _read_chunk(
-        self, data: str, events: list[TextDelta | ToolCallDelta]
-    ) -> FinishReason | None:
-        """Append one JSON chunk's events to ``events``; return its finish reason."""
-        try:
-            payload = orjson.loads(data)
-        except orjson.JSONDecodeError as exc:
-            raise self._malformed("data that is not JSON", data) from exc
-        if not isinstance(payload, dict):
-            raise self._malformed("data that is not a JSON object", data)
-        error = payload.get("error")
-        if error is not None:
-            raise self._in_band_error(error, data)
-        usage = payload.get("usage")
-        if usage is not None:
-            self._usage = self._parse_usage(usage, data)
-        choices = payload.get("choices")
-        if choices is None and usage is not None:
-            return None  # the usage-only chunk of include_usage
-        if not isinstance(choices, list):
-            raise self._malformed("a chunk without choices", data)
-        if not choices:
-            return None
-        choice = choices[0]
-        if not isinstance(choice, dict):
-            raise self._malformed("a choice that is not an object", data)
-        reason = self._finish_reason_of(choice.get("finish_reason"), data)
-        if self._chat:
-            delta = choice.get("delta")
-            if delta is None and reason is not None:
-                return reason
-            if not isinstance(delta, dict):
-                raise self._malformed("a chat choice without a delta", data)
-            content = delta.get("content")
-            if content is not None and not isinstance(content, str):
-                raise self._malformed("a delta whose content is not a string", data)
-            if content:
-                events.append(TextDelta(content))
-            tool_calls = delta.get("tool_calls")
-            if tool_calls:
-                self._read_tool_calls(tool_calls, events, data)
-        else:
-            text = choice.get("text")
-            if text is None and reason is not None:
-                return reason
-            if not isinstance(text, str):
-                raise self._malformed("a completion choice without text", data)
-            if text:
-                events.append(TextDelta(text))
-        return reason
-
-    def _read_tool_calls(
-        self, tool_calls: object, events: list[TextDelta | ToolCallDelta], data: str
-    ) -> None:
-        if not isinstance(tool_calls, list):
-            raise self._malformed("tool_calls that is not a list", data)
-        for position, call in enumerate(tool_calls):
-            if not isinstance(call, dict):
-                raise self._malformed("a tool call that is not an object", data)
-            index = call.get("index", position)
-            function = call.get("function") or {}
-            if isinstance(index, bool) or not isinstance(index, int):
-                raise self._malformed("a tool call without an integer index", data)
-            if not isinstance(function, dict):
-                raise self._malformed("a tool call whose function is not an object", data)
-            call_id = call.get("id")
-            name = function.get("name")
-            arguments = function.get("arguments") or ""
-            if not all(isinstance(v, str | None) for v in (call_id, name, arguments)):
-                raise self._malformed("a tool call with non-string fields", data)
-            events.append(ToolCallDelta(index, arguments, call_id, name))
-
-    def _finish_reason_of(self, raw: object, data: str) -> FinishReason | None:
-        if raw is None:
-            return None
-        if not isinstance(raw, str):
-            raise self._malformed("a finish_reason that is not a string", data)
-        if raw == _ABORTED_FINISH_REASON:
-            raise BackendError(f"upstream {self._url} aborted the generation", retryable=True)
-        return _FINISH_REASONS.get(raw, FinishReason.STOP)  # unknown: ended on purpose
-
-    def _parse_usage(self, usage: object, data: str) -> Usage:
-        if isinstance(usage, dict):
-            prompt = usage.get("prompt_tokens")
-            completion = usage.get("completion_tokens")
-            details = usage.get("prompt_tokens_details")
-            cached = details.get("cached_tokens") if isinstance(details, dict) else None
-            if _is_count(prompt) and _is_count(completion):
-                return Usage(
-                    prompt_tokens=cast(int, prompt),
-                    completion_tokens=cast(int, completion),
-                    cached_tokens=cast(int, cached) if _is_count(cached) else 0,
-                )
-        raise self._malformed("usage without token counts", data)
-
-    def _malformed(self, what: str, data: str) -> BackendError:
-        return BackendError(f"upstream {self._url} sent {what}: {self._upstream.quote(data)!r}")
-
-    def _in_band_error(self, error: object, data: str) -> BackendError:
-        message = _message_of({"error": error}) or data
-        code = error.get("code") if isinstance(error, dict) else None
-        retryable = isinstance(code, int) and (code in _CAPACITY_STATUSES or code >= 500)
-        return BackendError(
-            f"upstream {self._url} reported an error: {self._upstream.quote(message)}",
-            retryable=retryable,
-        )
+        return self._reader.read(sse_event.data for sse_event in sse_events)
 
     async def _status_error(self, response: httpx.Response) -> SluiceError:
         """The error for a non-2xx answer, with the upstream's (bounded) message."""
@@ -407,7 +263,7 @@ class UpstreamGeneration:
             return BadRequestError(f"upstream {url} rejected the request ({status}): {message}")
         if status in _CREDENTIAL_STATUSES:
             return BackendError(f"upstream {url} refused our credentials ({status}): {message}")
-        if status in _CAPACITY_STATUSES:
+        if status in CAPACITY_STATUSES:
             return CapacityError(
                 f"upstream {url} is over capacity ({status}): {message}",
                 retry_after_s=_retry_after_s(response.headers.get("retry-after")),
@@ -462,27 +318,9 @@ async def _drain(chunks: AsyncGenerator[bytes, None]) -> None:
             return
 
 
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _message_of(payload: object) -> str | None:
-    """The message of an error body: OpenAI ``{"error": {"message"}}``, TGI ``{"error"}``,
-    or ``{"message"}`` / ``{"detail"}``."""
-    if not isinstance(payload, dict):
-        return None
-    for key in ("error", "message", "detail"):
-        value = payload.get(key)
-        if isinstance(value, dict):
-            value = value.get("message")
-        if isinstance(value, str) and value:
-            return value
-    return None
-
-
 def _error_message(body: bytes) -> str:
     try:
-        message = _message_of(orjson.loads(body))
+        message = message_of(orjson.loads(body))
     except orjson.JSONDecodeError:
         message = None
     if message is None:

@@ -32,10 +32,11 @@ Decisions, numbered:
    ``input_tokens`` and ``output_tokens`` (the SDK overwrites its snapshot with both).
    Sluice's ``prompt_tokens`` counts cached tokens and Anthropic's ``input_tokens`` does
    not, so cached tokens move to ``cache_read_input_tokens`` (present only when non-zero).
-5. Errors share one table (:func:`_failure`): ``invalid_request`` 400
-   ``invalid_request_error``; ``overloaded`` or retryable 503 ``overloaded_error``;
-   ``backend_error`` 502 and anything else 500 ``api_error``; a cancelled stream
-   503 ``api_error`` (a client still waiting was cancelled by a draining server).
+5. Errors share the compatible dialects' status table (:mod:`sluice.dialects.common`):
+   ``invalid_request`` 400 ``invalid_request_error``; ``overloaded`` or retryable 503
+   ``overloaded_error``; ``backend_error`` 502 and anything else 500 ``api_error``; a
+   cancelled stream 503 ``api_error`` (a client still waiting was cancelled by a draining
+   server).
 6. The whole message's ``tool_use.input`` is the call's arguments parsed as a JSON object;
    empty arguments give ``{}``, and so do arguments that are not a JSON object (a call cut
    off by ``max_tokens``), since the API's ``input`` is always an object.
@@ -44,9 +45,17 @@ Decisions, numbered:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import orjson
 
+from sluice.dialects.common import (
+    SHARED_TYPE_BY_STATUS,
+    Failure,
+    WholeResponse,
+    dumps,
+    failure_of,
+)
 from sluice.errors import ProtocolError
 from sluice.events import (
     Error,
@@ -68,21 +77,13 @@ _STOP_REASON = {
 }
 
 _TYPE_BY_STATUS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
+    **SHARED_TYPE_BY_STATUS,
     402: "billing_error",
-    403: "permission_error",
-    404: "not_found_error",
     413: "request_too_large",
-    429: "rate_limit_error",
     503: "overloaded_error",
     504: "timeout_error",
     529: "overloaded_error",
 }
-
-_STATUS_BY_ERROR_TYPE = {"invalid_request": 400, "overloaded": 503, "backend_error": 502}
-
-_CANCELLED_MESSAGE = "the stream was cancelled"
 
 _PING = '{"type":"ping"}'
 _MESSAGE_STOP = '{"type":"message_stop"}'
@@ -100,45 +101,47 @@ def error_body(message: str, *, type: str) -> dict[str, object]:
     return {"type": "error", "error": {"type": type, "message": message}}
 
 
-def _failure(event: Error | Finished) -> tuple[int, dict[str, object]]:
-    """The HTTP status and error body of a stream that ended badly (decision 5)."""
-    if isinstance(event, Finished):
-        return 503, error_body(_CANCELLED_MESSAGE, type="api_error")
-    status = 503 if event.retryable else _STATUS_BY_ERROR_TYPE.get(event.type, 500)
-    return status, error_body(event.message, type=error_type_for_status(status))
+def _failure_body(failure: Failure) -> dict[str, object]:
+    """The error body of a stream that ended badly (decision 5); a cancelled stream's
+    503 is an ``api_error``, not an ``overloaded_error``."""
+    type = "api_error" if failure.cancelled else error_type_for_status(failure.status)
+    return error_body(failure.message, type=type)
 
 
-def _usage_payload(usage: Usage | None, input_tokens: int) -> dict[str, object]:
-    if usage is None:
-        return {"input_tokens": input_tokens, "output_tokens": 0}
-    payload: dict[str, object] = {"input_tokens": usage.prompt_tokens - usage.cached_tokens}
-    if usage.cached_tokens:
-        payload["cache_read_input_tokens"] = usage.cached_tokens
-    payload["output_tokens"] = usage.completion_tokens
-    return payload
+@dataclass(frozen=True, slots=True)
+class _MessageHead:
+    """What the renderer and the accumulator both know of a message before it starts."""
 
+    message_id: str
+    model: str
+    input_tokens: int
 
-def _dumps(payload: Mapping[str, object]) -> str:
-    return orjson.dumps(payload).decode()
+    def message(
+        self,
+        content: list[dict[str, object]],
+        stop_reason: str | None,
+        usage: Mapping[str, object],
+    ) -> dict[str, object]:
+        return {
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": None,
+            "usage": usage,
+        }
 
-
-def _message(
-    message_id: str,
-    model: str,
-    content: list[dict[str, object]],
-    stop_reason: str | None,
-    usage: Mapping[str, object],
-) -> dict[str, object]:
-    return {
-        "id": message_id,
-        "type": "message",
-        "role": "assistant",
-        "model": model,
-        "content": content,
-        "stop_reason": stop_reason,
-        "stop_sequence": None,
-        "usage": usage,
-    }
+    def usage(self, usage: Usage | None) -> dict[str, object]:
+        """Decision 4: the ``usage`` of ``message_start`` (``None``) or of the end."""
+        if usage is None:
+            return {"input_tokens": self.input_tokens, "output_tokens": 0}
+        payload: dict[str, object] = {"input_tokens": usage.prompt_tokens - usage.cached_tokens}
+        if usage.cached_tokens:
+            payload["cache_read_input_tokens"] = usage.cached_tokens
+        payload["output_tokens"] = usage.completion_tokens
+        return payload
 
 
 def _first_fragment(event: ToolCallDelta) -> tuple[str, str]:
@@ -151,9 +154,7 @@ class MessagesRenderer:
     """Renders one response's neutral events as Anthropic stream events (see module doc)."""
 
     __slots__ = (
-        "_input_tokens",
-        "_message_id",
-        "_model",
+        "_head",
         "_num_blocks",
         "_open_block",
         "_open_is_text",
@@ -163,9 +164,7 @@ class MessagesRenderer:
     )
 
     def __init__(self, *, message_id: str, model: str, input_tokens: int = 0) -> None:
-        self._message_id = message_id
-        self._model = model
-        self._input_tokens = input_tokens
+        self._head = _MessageHead(message_id, model, input_tokens)
         self._usage: Usage | None = None
         self._num_blocks = 0
         self._open_block: int | None = None  # the index of the block now open
@@ -201,10 +200,9 @@ class MessagesRenderer:
             case ToolCallDelta():
                 return self._tool_call(event)
             case Started():
-                usage = {"input_tokens": self._input_tokens, "output_tokens": 0}
-                message = _message(self._message_id, self._model, [], None, usage)
+                message = self._head.message([], None, self._head.usage(None))
                 return [
-                    ("message_start", _dumps({"type": "message_start", "message": message})),
+                    ("message_start", dumps({"type": "message_start", "message": message})),
                     ("ping", _PING),
                 ]
             case Usage():
@@ -212,16 +210,16 @@ class MessagesRenderer:
                 return []
             case Finished(reason=FinishReason.CANCELLED) | Error():
                 self._terminated = True
-                return [("error", _dumps(_failure(event)[1]))]
+                return [("error", dumps(_failure_body(failure_of(event))))]
             case Finished(reason=reason):
                 self._terminated = True
                 frames = self._stop_block()
                 delta = {
                     "type": "message_delta",
                     "delta": {"stop_reason": _STOP_REASON[reason], "stop_sequence": None},
-                    "usage": _usage_payload(self._usage, self._input_tokens),
+                    "usage": self._head.usage(self._usage),
                 }
-                frames.append(("message_delta", _dumps(delta)))
+                frames.append(("message_delta", dumps(delta)))
                 frames.append(("message_stop", _MESSAGE_STOP))
                 return frames
         raise TypeError(f"not a neutral event: {event!r}")
@@ -245,7 +243,7 @@ class MessagesRenderer:
                 "index": self._open_block,
                 "delta": {"type": "input_json_delta", "partial_json": event.arguments_delta},
             }
-            frames.append(("content_block_delta", _dumps(delta)))
+            frames.append(("content_block_delta", dumps(delta)))
         return frames
 
     def _start_block(
@@ -259,7 +257,7 @@ class MessagesRenderer:
         if tool_index is not None:
             self._tool_blocks[tool_index] = index
         start = {"type": "content_block_start", "index": index, "content_block": content_block}
-        frames.append(("content_block_start", _dumps(start)))
+        frames.append(("content_block_start", dumps(start)))
         return frames
 
     def _stop_block(self) -> list[tuple[str, str]]:
@@ -268,7 +266,7 @@ class MessagesRenderer:
         stop = {"type": "content_block_stop", "index": self._open_block}
         self._open_block = None
         self._open_is_text = False
-        return [("content_block_stop", _dumps(stop))]
+        return [("content_block_stop", dumps(stop))]
 
 
 class _Block:
@@ -297,7 +295,7 @@ def _parse_input(arguments: str) -> dict[str, object]:
     return value if isinstance(value, dict) else {}
 
 
-class Accumulator:
+class Accumulator(WholeResponse):
     """Collects one response's neutral events into a whole Anthropic ``message``.
 
     Blocks follow the renderer's layout: consecutive text is one block, each tool call one
@@ -305,79 +303,35 @@ class Accumulator:
     whether the response failed and :meth:`result` returns the message of one that did not.
     """
 
-    __slots__ = (
-        "_blocks",
-        "_failure",
-        "_input_tokens",
-        "_message_id",
-        "_model",
-        "_stop_reason",
-        "_tool_blocks",
-        "_usage",
-    )
+    __slots__ = ("_blocks", "_head", "_tool_blocks")
 
     def __init__(self, *, message_id: str, model: str, input_tokens: int = 0) -> None:
-        self._message_id = message_id
-        self._model = model
-        self._input_tokens = input_tokens
+        super().__init__(description="Anthropic message", finish_reasons=_STOP_REASON)
+        self._head = _MessageHead(message_id, model, input_tokens)
         self._blocks: list[_Block] = []
         self._tool_blocks: dict[int, _Block] = {}
-        self._usage: Usage | None = None
-        self._stop_reason: str | None = None
-        self._failure: tuple[int, dict[str, object]] | None = None
-
-    @property
-    def finished(self) -> bool:
-        """True once the terminal event has been fed."""
-        return self._stop_reason is not None or self._failure is not None
-
-    def feed(self, event: NeutralEvent) -> None:
-        """Take one event; raises :class:`~sluice.errors.ProtocolError` after the terminal one."""
-        if self.finished:
-            raise ProtocolError(
-                f"Anthropic message: {type(event).__name__} after the terminal event"
-            )
-        match event:
-            case TextDelta(text=text):
-                if not self._blocks or self._blocks[-1].id is not None:
-                    self._blocks.append(_Block())
-                self._blocks[-1].parts.append(text)
-                return
-            case ToolCallDelta():
-                block = self._tool_blocks.get(event.index)
-                if block is None:
-                    block = _Block(*_first_fragment(event))
-                    self._tool_blocks[event.index] = block
-                    self._blocks.append(block)
-                block.parts.append(event.arguments_delta)
-                return
-            case Usage():
-                self._usage = event
-                return
-            case Finished(reason=FinishReason.CANCELLED) | Error():
-                self._failure = _failure(event)
-                return
-            case Finished(reason=reason):
-                self._stop_reason = _STOP_REASON[reason]
-                return
-            case Started():
-                return
-        raise TypeError(f"not a neutral event: {event!r}")
-
-    def error(self) -> tuple[int, dict[str, object]] | None:
-        """The HTTP status and error body if the response failed, else ``None``."""
-        return self._failure
 
     def result(self) -> dict[str, object]:
         """The whole ``message``; raises ``ProtocolError`` unless it finished well."""
-        if self._failure is not None:
-            raise ProtocolError(f"Anthropic message failed: {self._failure[1]}")
-        if self._stop_reason is None:
-            raise ProtocolError("Anthropic message has not finished")
-        return _message(
-            self._message_id,
-            self._model,
+        stop_reason = self._finished_well()
+        return self._head.message(
             [block.payload() for block in self._blocks],
-            self._stop_reason,
-            _usage_payload(self._usage, self._input_tokens),
+            stop_reason,
+            self._head.usage(self._usage),
         )
+
+    def _text(self, text: str) -> None:
+        if not self._blocks or self._blocks[-1].id is not None:
+            self._blocks.append(_Block())
+        self._blocks[-1].parts.append(text)
+
+    def _tool_call(self, event: ToolCallDelta) -> None:
+        block = self._tool_blocks.get(event.index)
+        if block is None:
+            block = _Block(*_first_fragment(event))
+            self._tool_blocks[event.index] = block
+            self._blocks.append(block)
+        block.parts.append(event.arguments_delta)
+
+    def _failure_body(self, failure: Failure) -> dict[str, object]:
+        return _failure_body(failure)

@@ -27,8 +27,8 @@ but the last carries ``"usage": null``, as OpenAI's do. Decisions, numbered:
 4. Text completions have no tools: tool call fragments render nothing there, and a
    ``tool_calls`` finish is reported as ``stop`` (the only reasons that API knows are
    ``stop``, ``length`` and ``content_filter``).
-5. Errors in the stream and in whole responses share one table (:func:`_failure`):
-   ``invalid_request`` 400, ``overloaded`` or retryable 503, ``backend_error`` 502,
+5. Errors in the stream and in whole responses share the compatible dialects' status
+   table (:mod:`sluice.dialects.common`): ``invalid_request`` 400, ``overloaded`` or retryable 503, ``backend_error`` 502,
    anything else 500, a cancelled stream 503 (cancellations a client still waits for come
    from a draining server: retry elsewhere). Every 5xx has the OpenAI type ``server_error``;
    ``code`` carries the neutral ``Error.type``.
@@ -38,11 +38,17 @@ but the last carries ``"usage": null``, as OpenAI's do. Decisions, numbered:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Literal
 
 import orjson
 
+from sluice.dialects.common import (
+    SHARED_TYPE_BY_STATUS,
+    Failure,
+    WholeResponse,
+    dumps,
+    failure_of,
+)
 from sluice.errors import ProtocolError
 from sluice.events import (
     Error,
@@ -86,18 +92,10 @@ _FINISH_REASON = {
 }
 
 _TYPE_BY_STATUS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
+    **SHARED_TYPE_BY_STATUS,
     413: "invalid_request_error",
     422: "invalid_request_error",
-    429: "rate_limit_error",
 }
-
-_STATUS_BY_ERROR_TYPE = {"invalid_request": 400, "overloaded": 503, "backend_error": 502}
-
-_CANCELLED_MESSAGE = "the stream was cancelled"
 
 
 def error_type_for_status(status: int) -> str:
@@ -114,14 +112,11 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def _failure(event: Error | Finished) -> tuple[int, dict[str, object]]:
-    """The HTTP status and error body of a stream that ended badly (decision 5)."""
-    if isinstance(event, Finished):
-        status, code, message = 503, "cancelled", _CANCELLED_MESSAGE
-    else:
-        status = 503 if event.retryable else _STATUS_BY_ERROR_TYPE.get(event.type, 500)
-        code, message = event.type, event.message
-    return status, error_body(message, type=error_type_for_status(status), code=code)
+def _failure_body(failure: Failure) -> dict[str, object]:
+    """The error body of a stream that ended badly (decision 5)."""
+    return error_body(
+        failure.message, type=error_type_for_status(failure.status), code=failure.code
+    )
 
 
 def _usage_payload(usage: Usage | None) -> dict[str, object]:
@@ -135,10 +130,6 @@ def _usage_payload(usage: Usage | None) -> dict[str, object]:
     if usage.cached_tokens:
         payload["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
     return payload
-
-
-def _dumps(payload: Mapping[str, object]) -> str:
-    return orjson.dumps(payload).decode()
 
 
 class _ToolCallTracker:
@@ -199,7 +190,7 @@ class ChunkRenderer:
         self._terminated = False
         # The hot path (one per token): the chunk around a text delta's JSON string, so a
         # token costs one small orjson call. Equal to dumping the whole dict (tested).
-        head = _dumps(self._head)[:-1]
+        head = dumps(self._head)[:-1]
         text_key = '"delta":{"content":' if kind == "chat" else '"text":'
         self._text_prefix = f'{head},"choices":[{{"index":0,{text_key}'
         self._text_suffix = (
@@ -234,7 +225,7 @@ class ChunkRenderer:
                 return []
             case Finished(reason=FinishReason.CANCELLED) | Error():
                 self._terminated = True
-                return [(None, _dumps(_failure(event)[1]))]
+                return [(None, dumps(_failure_body(failure_of(event))))]
             case Finished(reason=reason):
                 self._terminated = True
                 frames: list[tuple[str | None, str]] = [
@@ -242,7 +233,7 @@ class ChunkRenderer:
                 ]
                 if self._include_usage:
                     last = {**self._head, "choices": [], "usage": _usage_payload(self._usage)}
-                    frames.append((None, _dumps(last)))
+                    frames.append((None, dumps(last)))
                 frames.append((None, DONE))
                 return frames
         raise TypeError(f"not a neutral event: {event!r}")
@@ -270,7 +261,7 @@ class ChunkRenderer:
         chunk: dict[str, object] = {**self._head, "choices": [choice]}
         if self._include_usage:
             chunk["usage"] = None
-        return _dumps(chunk)
+        return dumps(chunk)
 
 
 class _ToolCall:
@@ -282,7 +273,7 @@ class _ToolCall:
         self.arguments: list[str] = []
 
 
-class Accumulator:
+class Accumulator(WholeResponse):
     """Collects one response's neutral events into a whole OpenAI object (``stream: false``).
 
     Feed every event with :meth:`feed`; after the terminal one, :meth:`error` says whether
@@ -293,84 +284,36 @@ class Accumulator:
     __slots__ = (
         "_completion_id",
         "_created",
-        "_failure",
-        "_finish_reason",
         "_kind",
         "_model",
-        "_text",
+        "_text_parts",
         "_tool_calls",
         "_tracker",
-        "_usage",
     )
 
     def __init__(
         self, *, kind: CompletionKind, completion_id: str, model: str, created: int
     ) -> None:
+        super().__init__(description=f"OpenAI {kind} response", finish_reasons=_FINISH_REASON[kind])
         self._kind = kind
         self._completion_id = completion_id
         self._model = model
         self._created = created
-        self._text: list[str] = []
+        self._text_parts: list[str] = []
         self._tool_calls: dict[int, _ToolCall] = {}
         self._tracker = _ToolCallTracker()
-        self._usage: Usage | None = None
-        self._finish_reason: str | None = None
-        self._failure: tuple[int, dict[str, object]] | None = None
-
-    @property
-    def finished(self) -> bool:
-        """True once the terminal event has been fed."""
-        return self._finish_reason is not None or self._failure is not None
-
-    def feed(self, event: NeutralEvent) -> None:
-        """Take one event; raises :class:`~sluice.errors.ProtocolError` after the terminal one."""
-        if self.finished:
-            raise ProtocolError(
-                f"OpenAI {self._kind} response: {type(event).__name__} after the terminal event"
-            )
-        match event:
-            case TextDelta(text=text):
-                self._text.append(text)
-                return
-            case ToolCallDelta():
-                if self._kind == "text":
-                    return  # decision 4
-                first = self._tracker.first(event)
-                if first is not None:
-                    self._tool_calls[event.index] = _ToolCall(*first)
-                self._tool_calls[event.index].arguments.append(event.arguments_delta)
-                return
-            case Usage():
-                self._usage = event
-                return
-            case Finished(reason=FinishReason.CANCELLED) | Error():
-                self._failure = _failure(event)
-                return
-            case Finished(reason=reason):
-                self._finish_reason = _FINISH_REASON[self._kind][reason]
-                return
-            case Started():
-                return
-        raise TypeError(f"not a neutral event: {event!r}")
-
-    def error(self) -> tuple[int, dict[str, object]] | None:
-        """The HTTP status and error body if the response failed, else ``None``."""
-        return self._failure
 
     def result(self) -> dict[str, object]:
         """The whole response object; raises ``ProtocolError`` unless it finished well."""
-        if self._failure is not None:
-            raise ProtocolError(f"OpenAI {self._kind} response failed: {self._failure[1]}")
-        if self._finish_reason is None:
-            raise ProtocolError(f"OpenAI {self._kind} response has not finished")
-        text = "".join(self._text)
+        finish_reason = self._finished_well()
+        text = "".join(self._text_parts)
         choice: dict[str, object] = {"index": 0}
         if self._kind == "chat":
             choice["message"] = self._message(text)
         else:
             choice["text"] = text
         choice["logprobs"] = None
-        choice["finish_reason"] = self._finish_reason
+        choice["finish_reason"] = finish_reason
         return {
             "id": self._completion_id,
             "object": _OBJECT_WHOLE[self._kind],
@@ -379,6 +322,20 @@ class Accumulator:
             "choices": [choice],
             "usage": _usage_payload(self._usage),
         }
+
+    def _text(self, text: str) -> None:
+        self._text_parts.append(text)
+
+    def _tool_call(self, event: ToolCallDelta) -> None:
+        if self._kind == "text":
+            return  # decision 4
+        first = self._tracker.first(event)
+        if first is not None:
+            self._tool_calls[event.index] = _ToolCall(*first)
+        self._tool_calls[event.index].arguments.append(event.arguments_delta)
+
+    def _failure_body(self, failure: Failure) -> dict[str, object]:
+        return _failure_body(failure)
 
     def _message(self, text: str) -> dict[str, object]:
         message: dict[str, object] = {"role": "assistant"}

@@ -62,7 +62,7 @@ class _OpenAIMessage(_Lenient):
 
 
 class _OpenAICommon(_Lenient):
-    model: Annotated[str, Field(min_length=1, max_length=256)]
+    model: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # the default
     stream: bool = False
     stream_options: _StreamOptions | None = None
     temperature: _Temperature | None = None
@@ -96,7 +96,7 @@ class _AnthropicMessage(_Lenient):
 
 
 class _MessagesBody(_Lenient):
-    model: Annotated[str, Field(min_length=1, max_length=256)]
+    model: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # the default
     max_tokens: _MaxTokens
     messages: Annotated[list[_AnthropicMessage], Field(min_length=1, max_length=1024)]
     system: str | list[_AnthropicBlock] | None = None
@@ -197,7 +197,8 @@ def parse_openai(payload: object, settings: Settings, *, chat: bool) -> CompatRe
         stop=_stops(body.stop),
     )
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return CompatRequest(body.model, generation, body.stream, include_usage)
+    model = body.model or settings.default_model
+    return CompatRequest(model, generation, body.stream, include_usage)
 
 
 def parse_anthropic_messages(payload: object, settings: Settings) -> CompatRequest:
@@ -217,4 +218,5 @@ def parse_anthropic_messages(payload: object, settings: Settings) -> CompatReque
         top_k=body.top_k,
         stop=tuple(body.stop_sequences or ()),
     )
-    return CompatRequest(body.model, generation, body.stream, include_usage=True)
+    model = body.model or settings.default_model
+    return CompatRequest(model, generation, body.stream, include_usage=True)

@@ -29,8 +29,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from sluice.errors import SluiceError
-from sluice.gateway.errors import response_for
-from sluice.gateway.streaming import EventStreams
+from sluice.gateway.streaming import EventStreams, refusal
 from sluice.transports.asgi import Scope
 from sluice.transports.sse import SSE_HEADERS, SSEConnection
 
@@ -183,8 +182,7 @@ class SluiceHttpProtocol(HttpToolsProtocol):
         try:
             reader = await streams.open(scope)
         except SluiceError as exc:
-            response = response_for(exc)
-            self._write_whole(response.status_code, response.raw_headers, bytes(response.body))
+            self._write_whole(*refusal(exc))
             return
         if reader is None:
             # 204 tells EventSource the stream is over: it stops reconnecting.

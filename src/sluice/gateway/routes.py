@@ -98,6 +98,8 @@ class NativeApi:
 
     async def readyz(self, request: Request) -> Response:
         """Ready, with the streams held and each embedded engine's queues and KV cache."""
+        if self._hub.draining:  # load balancers: send new work elsewhere
+            return JSONResponse({"status": "draining", "streams": len(self._hub)}, 503)
         engines = {name: await stats() for name, stats in engine_stats(self._hub).items()}
         payload = {"status": "ready", "streams": len(self._hub), "engines": engines}
         return JSONResponse(payload)

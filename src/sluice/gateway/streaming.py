@@ -9,6 +9,7 @@ wrapper here is multiplied by the number of held streams.
 
 from __future__ import annotations
 
+import random
 from urllib.parse import parse_qs
 
 from starlette.responses import Response
@@ -16,6 +17,7 @@ from starlette.responses import Response
 from sluice.errors import (
     BadEventIdError,
     BadRequestError,
+    CapacityError,
     ResumeGapError,
     SluiceError,
     StreamNotFoundError,
@@ -25,13 +27,14 @@ from sluice.gateway.errors import response_for
 from sluice.gateway.requests import check_bounds, last_event_id, to_generation_request
 from sluice.gateway.settings import Settings
 from sluice.observability.metrics import Metrics
+from sluice.sse import encode_retry
 from sluice.streams.hub import Stream, StreamHub
 from sluice.streams.ids import is_stream_id
 from sluice.streams.reader import Reader
 from sluice.transports.asgi import Receive, Scope, Send
-from sluice.transports.sse import SSEOptions, send_event_stream
+from sluice.transports.sse import SSE_HEADERS, SSEOptions, send_event_stream
 
-__all__ = ["EventStreams"]
+__all__ = ["EventStreams", "refusal"]
 
 # The demo's default pace: slow enough to watch words arrive one by one.
 _DEMO_INTERVAL_MS = 50.0
@@ -145,7 +148,9 @@ class EventStreams:
         try:
             reader = await self.open(scope)
         except SluiceError as exc:
-            await response_for(exc)(scope, receive, send)
+            status, headers, body = refusal(exc)
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
             return
         if reader is None:
             # 204 tells EventSource the stream is over: it stops reconnecting.
@@ -154,6 +159,22 @@ class EventStreams:
         await send_event_stream(
             receive, send, reader, self.options, extra_headers=self.cors_headers(scope)
         )
+
+
+def refusal(exc: SluiceError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """How an SSE read answers an error: status, headers, whole body.
+
+    A transient refusal (a full or draining server) is a ``200`` whose body is only a
+    jittered ``retry:`` hint: EventSource treats any other status as final and stops
+    reconnecting, while this makes it come back after the hint (to any replica).
+    """
+    if isinstance(exc, CapacityError):
+        retry_ms = round(exc.retry_after_s * 1000 * random.uniform(1.0, 1.5))
+        body = encode_retry(retry_ms)
+        headers = [*SSE_HEADERS, (b"content-length", str(len(body)).encode())]
+        return 200, headers, body
+    response = response_for(exc)
+    return response.status_code, list(response.raw_headers), bytes(response.body)
 
 
 def _number(query: dict[str, list[str]], name: str) -> float | None:

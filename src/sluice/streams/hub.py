@@ -139,6 +139,8 @@ class StreamHub:
     ) -> None:
         self._log = log
         self._observer = observer
+        self._draining = False
+        self._changed: asyncio.Event | None = None  # set when a stream ends (drain waits)
         self._backends = dict(backends)
         self.settings = settings or HubSettings()
         self._streams: dict[str, Stream] = {}
@@ -155,6 +157,38 @@ class StreamHub:
     @property
     def models(self) -> list[str]:
         return list(self._backends)
+
+    @property
+    def running_now(self) -> bool:
+        """True inside :meth:`running` (the app's lifespan)."""
+        return self._task_group is not None
+
+    @property
+    def draining(self) -> bool:
+        """True once :meth:`drain` began: new streams are refused."""
+        return self._draining
+
+    def live_streams(self) -> list[Stream]:
+        return [stream for stream in self._streams.values() if not stream.is_terminal]
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new streams, let live ones finish for up to ``timeout_s``, then end the rest
+        on an event boundary with a retryable ``unavailable`` error (their clients retry
+        elsewhere) and wait for their producers to write it."""
+        self._draining = True
+        changed = self._changed = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.live_streams() and (left := deadline - loop.time()) > 0:
+            changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), left)
+        for stream in self.live_streams():
+            stream.cancel_cause = "shutdown"
+            self.cancel(stream.id)
+        while self.live_streams():
+            changed.clear()
+            await changed.wait()
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -189,6 +223,8 @@ class StreamHub:
         """Start a stream; its producer runs until the end, a cancel, or a failure."""
         if self._task_group is None:
             raise RuntimeError("StreamHub.create() outside StreamHub.running()")
+        if self._draining:
+            raise CapacityError("the server is shutting down", retry_after_s=1.0)
         backend = self._backends.get(model)
         if backend is None:
             known = ", ".join(sorted(self._backends))
@@ -345,8 +381,13 @@ class StreamHub:
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()  # the cancel was ours, for this stream: it ends here
-            final = [generation.usage(), Finished(FinishReason.CANCELLED)]
-            target = StreamState.CANCELLED
+            if stream.cancel_cause == "shutdown":
+                message = "the server is shutting down; retry the request"
+                final = [generation.usage(), Error("unavailable", message, True)]
+                target = StreamState.FAILED
+            else:
+                final = [generation.usage(), Finished(FinishReason.CANCELLED)]
+                target = StreamState.CANCELLED
         except BackendError as exc:
             stream.task = None
             await generation.abort()
@@ -378,6 +419,8 @@ class StreamHub:
             stream.finish_reason = terminal.reason.value
         else:
             stream.finish_reason = "error"
+        if self._changed is not None:
+            self._changed.set()
         if self._observer is not None:
             outcome = stream.finish_reason
             if outcome == FinishReason.CANCELLED.value:
