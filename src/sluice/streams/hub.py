@@ -89,6 +89,8 @@ class Stream:
     resumable: bool
     grace_s: float
     created: float
+    # Who created it (an API key's tenant); only they, or a resume token, may read it.
+    tenant: str = "anonymous"
     state: StreamState = StreamState.QUEUED
     readers: list[Reader] = field(default_factory=list, repr=False)
     num_events: int = 0
@@ -219,8 +221,10 @@ class StreamHub:
         *,
         resumable: bool = True,
         grace_s: float | None = None,
+        tenant: str = "anonymous",
     ) -> Stream:
-        """Start a stream; its producer runs until the end, a cancel, or a failure."""
+        """Start a stream for ``tenant``; its producer runs until the end, a cancel, or a
+        failure."""
         if self._task_group is None:
             raise RuntimeError("StreamHub.create() outside StreamHub.running()")
         if self._draining:
@@ -241,6 +245,7 @@ class StreamHub:
             resumable=resumable,
             grace_s=grace_s,
             created=time.time(),
+            tenant=tenant,
         )
         await self._log.create(stream.id)
         self._streams[stream.id] = stream
