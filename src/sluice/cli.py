@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
+import ipaddress
 import logging
 import os
 import signal
@@ -32,6 +33,13 @@ from sluice.engine.engine import Engine, EngineConfig
 from sluice.engine.loader import load_checkpoint
 from sluice.errors import ConfigError
 from sluice.gateway.app import SluiceApp, create_app
+from sluice.gateway.auth import (
+    DEFAULT_TOKEN_TTL_S,
+    Auth,
+    ResumeTokens,
+    load_key_file,
+    parse_key_list,
+)
 from sluice.gateway.protocol import SluiceHttpProtocol
 from sluice.gateway.settings import Settings
 
@@ -186,6 +194,38 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="ORIGIN",
         help="browser origin allowed to call the API (repeatable; default: any origin)",
+    )
+    serve.add_argument(
+        "--auth-config",
+        type=Path,
+        metavar="FILE",
+        help="a TOML file of [[key]] tables (tenant, and key_sha256 = hex SHA-256 of the key "
+        "or key_env = the environment variable holding it): API keys, sent as "
+        "'Authorization: Bearer KEY' or 'x-api-key: KEY'; $SLUICE_API_KEYS "
+        "('tenant1:key1,tenant2:key2') adds more",
+    )
+    serve.add_argument(
+        "--allow-anonymous",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="serve callers without a key as tenant 'anonymous' (default: only when no keys "
+        "are configured and --host is a loopback address; with no keys on another host, "
+        "sluice serve refuses to start)",
+    )
+    serve.add_argument(
+        "--token-secret",
+        default=None,
+        metavar="SECRET",
+        help="HMAC key (16+ bytes) that signs resume tokens; prefer $SLUICE_TOKEN_SECRET "
+        "(command lines are visible to other users); default: random per process, so tokens "
+        "die with it",
+    )
+    serve.add_argument(
+        "--token-ttl",
+        type=float,
+        default=DEFAULT_TOKEN_TTL_S,
+        metavar="SECONDS",
+        help="lifetime of a resume token (at most a day)",
     )
     serve.add_argument(
         "--drain-timeout",
@@ -357,10 +397,69 @@ def _upstreams(args: argparse.Namespace) -> list[UpstreamSpec]:
     return specs
 
 
-def serve(args: argparse.Namespace) -> int:
+def _auth(args: argparse.Namespace) -> tuple[Auth, str | None]:
+    """Keys, anonymous mode and the token secret; and what to say about them at start-up.
 
+    Raises :class:`ConfigError` for a server that would be open to anyone who can reach it
+    without having been asked to be: no keys, not on loopback, no ``--allow-anonymous``.
+    """
+    keys = [] if args.auth_config is None else list(load_key_file(args.auth_config, os.environ))
+    keys += parse_key_list(os.environ.get("SLUICE_API_KEYS", ""))
+    secret_text = args.token_secret or os.environ.get("SLUICE_TOKEN_SECRET")
+    if secret_text:
+        tokens = ResumeTokens(secret_text.encode("utf-8"), args.token_ttl)
+    else:
+        tokens = ResumeTokens.random(args.token_ttl)
+    allow_anonymous = args.allow_anonymous
+    notice = None
+    if allow_anonymous is None:
+        allow_anonymous = not keys
+        if not keys and not _on_loopback(args):
+            raise ConfigError(
+                f"no API keys configured and --host {args.host} is not a loopback address: "
+                "configure keys (--auth-config FILE or $SLUICE_API_KEYS) or pass "
+                "--allow-anonymous to serve anyone who can connect"
+            )
+    if allow_anonymous:
+        if keys:
+            notice = "callers without an API key are served as tenant 'anonymous'"
+        else:
+            notice = (
+                "anonymous mode: no API keys configured, every caller is tenant 'anonymous' "
+                "(configure keys with --auth-config or $SLUICE_API_KEYS)"
+            )
+    return Auth(keys, allow_anonymous=allow_anonymous, tokens=tokens), notice
+
+
+def _on_loopback(args: argparse.Namespace) -> bool:
+    """Whether ``--host`` (and the ``--fd`` socket, if any) only accept local connections."""
+    if args.host != "localhost" and not _is_loopback_address(args.host):
+        return False
+    if args.fd is None:
+        return True
+    try:
+        inherited = socket.socket(fileno=os.dup(args.fd))
+    except OSError as exc:
+        raise ConfigError(f"--fd {args.fd}: {exc.strerror or exc}") from exc
+    try:
+        if inherited.family not in (socket.AF_INET, socket.AF_INET6):
+            return True  # a Unix socket: local by construction
+        return _is_loopback_address(inherited.getsockname()[0])
+    finally:
+        inherited.close()
+
+
+def _is_loopback_address(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(args: argparse.Namespace) -> int:
     try:
         settings = _settings(args)
+        auth, auth_notice = _auth(args)
     except ConfigError as exc:
         print(f"sluice serve: {exc}", file=sys.stderr)
         return 2
@@ -385,7 +484,7 @@ def serve(args: argparse.Namespace) -> int:
         resources.append(driver)
     if backends:
         settings = dataclasses.replace(settings, default_model=next(iter(backends)))
-    app = create_app(settings, backends, resources)
+    app = create_app(settings, backends, resources, auth)
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -402,6 +501,8 @@ def serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
     print(f"Sluice {__version__}: page at http://{args.host}:{args.port}/", flush=True)
+    if auth_notice is not None:
+        print(f"Sluice: {auth_notice}", flush=True)
     _Server(config, app, args.drain_timeout).run()
     return 0
 

@@ -28,7 +28,8 @@ def status(server: ServerProcess, stream_id: object) -> dict[str, object]:
 
 def test_create_returns_urls_and_status_counts_events(server: ServerProcess) -> None:
     created = create(server, prompt="one two three", interval_ms=0)
-    assert created["events_url"] == f"/v1/streams/{created['id']}/events"
+    token = created["resume_token"]
+    assert created["events_url"] == f"/v1/streams/{created['id']}/events?token={token}"
     assert created["cancel_url"] == f"/v1/streams/{created['id']}/cancel"
     assert created["model"] == "words"
     assert created["resumable"] is True
@@ -187,7 +188,7 @@ def test_last_event_id_must_name_the_stream_in_the_path_and_not_run_ahead(
     )
     assert response.status_code == 400
     assert "belongs to stream" in response.json()["error"]["message"]
-    ahead = httpx.get(f"{server.base_url}{first['events_url']}?last_event_id={first['id']}:99")
+    ahead = httpx.get(f"{server.base_url}{first['events_url']}&last_event_id={first['id']}:99")
     assert ahead.status_code == 400
 
 

@@ -21,8 +21,11 @@ from starlette.routing import Route
 
 from sluice.backends.base import Backend
 from sluice.backends.words import WordsBackend
+from sluice.errors import SluiceError
+from sluice.gateway.auth import Auth
 from sluice.gateway.compat import CompatAPI
-from sluice.gateway.errors import error_response
+from sluice.gateway.errors import error_response, response_for
+from sluice.gateway.limits import check_head
 from sluice.gateway.routes import NativeApi
 from sluice.gateway.settings import Settings
 from sluice.gateway.streaming import EventStreams
@@ -43,8 +46,10 @@ class SluiceApp:
         settings: Settings,
         backends: Mapping[str, Backend],
         resources: Sequence[contextlib.AbstractAsyncContextManager[object]] = (),
+        auth: Auth | None = None,
     ) -> None:
         self.settings = settings
+        self.auth = auth or Auth.anonymous()
         self._resources = tuple(resources)
         log = MemoryEventLog(LogLimits(settings.max_log_records, settings.max_log_bytes))
         hub_settings = HubSettings(
@@ -55,10 +60,10 @@ class SluiceApp:
         versions = {name: str(getattr(b, "version", "")) for name, b in backends.items()}
         self.metrics = Metrics(versions)
         self.hub = StreamHub(log, backends, hub_settings, observer=self.metrics)
-        self.streams = EventStreams(self.hub, settings, self.metrics)
+        self.streams = EventStreams(self.hub, settings, self.metrics, self.auth)
         page = package_data.files("sluice.web").joinpath("index.html").read_text("utf-8")
-        api = NativeApi(self.hub, settings, page, self.metrics)
-        compat = CompatAPI(self.hub, settings, self.streams.options, self.metrics)
+        api = NativeApi(self.hub, settings, page, self.metrics, self.auth)
+        compat = CompatAPI(self.hub, settings, self.streams.options, self.metrics, self.auth)
         self._framework = Starlette(
             routes=[
                 Route("/", api.page, methods=["GET"]),
@@ -89,7 +94,7 @@ class SluiceApp:
                         "X-API-Key",
                         "Anthropic-Version",
                     ],
-                    expose_headers=["X-Sluice-Stream-Id"],
+                    expose_headers=["X-Sluice-Stream-Id", "X-Sluice-Resume-Token"],
                     max_age=600,
                 ),
             ],
@@ -110,9 +115,15 @@ class SluiceApp:
                 await backend.aclose()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and EventStreams.handles(scope["method"], scope["path"]):
-            await self.streams(scope, receive, send)
-            return
+        if scope["type"] == "http":
+            try:
+                check_head(scope, self.settings)
+            except SluiceError as exc:
+                await response_for(exc)(scope, receive, send)
+                return
+            if EventStreams.handles(scope["method"], scope["path"]):
+                await self.streams(scope, receive, send)
+                return
         await self._framework(scope, receive, send)
 
 
@@ -131,13 +142,15 @@ def create_app(
     settings: Settings | None = None,
     backends: Mapping[str, Backend] | None = None,
     resources: Sequence[contextlib.AbstractAsyncContextManager[object]] = (),
+    auth: Auth | None = None,
 ) -> SluiceApp:
     """Build the app; ``backends`` come first in ``/v1/models``, then ``words``, always served.
 
     ``resources`` are entered for the app's lifetime, before the hub starts (for example
-    the driver thread of an embedded engine).
+    the driver thread of an embedded engine). ``auth`` holds the API keys and the resume
+    token secret; without it every caller is tenant ``"anonymous"``.
     """
     settings = settings or Settings()
     served: dict[str, Backend] = {**(backends or {})}
     served.setdefault("words", WordsBackend())
-    return SluiceApp(settings, served, resources)
+    return SluiceApp(settings, served, resources, auth)

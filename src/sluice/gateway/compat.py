@@ -11,7 +11,8 @@ in the dialect's error shape (400 bad request, 404 unknown model, 413 body too l
 Resumable streams (opt-in): a request with the header ``X-Sluice-Resumable: true`` gets
 SSE ids (``<stream id>:<n>``, on the last frame an event renders to) and survives a
 disconnect for the grace window; ``GET /v1/streams/{id}/events`` with ``Last-Event-ID``
-resumes it in the same dialect. The stream id comes back in ``X-Sluice-Stream-Id``.
+resumes it in the same dialect. The stream id comes back in ``X-Sluice-Stream-Id``, and a
+resume token (see :mod:`sluice.gateway.auth`) in ``X-Sluice-Resume-Token``.
 Without the header a disconnect cancels the generation at once (what OpenAI-compatible
 clients expect), and the frames carry no ids.
 """
@@ -36,13 +37,19 @@ from sluice.errors import (
     UnknownModelError,
 )
 from sluice.events import Error, NeutralEvent
+from sluice.gateway.auth import RESUME_TOKEN_HEADER, Auth
 from sluice.gateway.compat_requests import (
     CompatRequest,
     InvalidParameterError,
     parse_anthropic_messages,
     parse_openai,
 )
-from sluice.gateway.errors import REFUSAL_STATUS, PayloadTooLargeError
+from sluice.gateway.errors import (
+    REFUSAL_STATUS,
+    WWW_AUTHENTICATE,
+    AuthenticationError,
+    PayloadTooLargeError,
+)
 from sluice.gateway.requests import read_json_body
 from sluice.gateway.settings import Settings
 from sluice.observability.metrics import Metrics
@@ -163,6 +170,8 @@ class Dialect:
 
 
 def _status_for(exc: SluiceError) -> int:
+    if isinstance(exc, AuthenticationError):
+        return 401
     if isinstance(exc, UnknownModelError):
         return 404
     if isinstance(exc, PayloadTooLargeError):
@@ -193,12 +202,18 @@ class CompatAPI:
     """The compatible endpoints over one hub."""
 
     def __init__(
-        self, hub: StreamHub, settings: Settings, options: SSEOptions, metrics: Metrics
+        self,
+        hub: StreamHub,
+        settings: Settings,
+        options: SSEOptions,
+        metrics: Metrics,
+        auth: Auth,
     ) -> None:
         self._hub = hub
         self._settings = settings
         self._options = options
         self._metrics = metrics
+        self._auth = auth
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, "chat")
@@ -213,6 +228,7 @@ class CompatAPI:
 
     async def _serve(self, request: Request, kind: Kind) -> Response:
         try:
+            tenant = self._auth.creator(request.scope["headers"])
             payload = await read_json_body(
                 request.scope, request.receive, self._settings.max_body_bytes
             )
@@ -221,7 +237,9 @@ class CompatAPI:
             else:
                 parsed = parse_openai(payload, self._settings, chat=kind == "chat")
             resumable = request.headers.get(RESUMABLE_HEADER, "").lower() == "true"
-            stream = await self._hub.create(parsed.model, parsed.generation, resumable=resumable)
+            stream = await self._hub.create(
+                parsed.model, parsed.generation, resumable=resumable, tenant=tenant
+            )
         except SluiceError as exc:
             self._metrics.refused_before_start(exc)
             return self._error(kind, exc)
@@ -242,7 +260,11 @@ class CompatAPI:
         if not parsed.stream:
             return await self._whole(request, kind, dialect, stream, reader, parsed)
         reader.framer = dialect.framer(self._hub.log, stream.id, 0)
-        headers = [(STREAM_ID_HEADER.lower().encode(), stream.id.encode())]
+        headers = [
+            (STREAM_ID_HEADER.lower().encode(), stream.id.encode()),
+            # Resumes (GET /v1/streams/{id}/events?token=) need no key with it.
+            (RESUME_TOKEN_HEADER.lower().encode(), self._auth.tokens.mint(stream.id).encode()),
+        ]
         return _EventStreamResponse(reader, self._options, headers)
 
     async def _whole(
@@ -288,7 +310,11 @@ class CompatAPI:
         headers = {}
         if isinstance(exc, CapacityError):
             headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+        if isinstance(exc, AuthenticationError):
+            headers["WWW-Authenticate"] = WWW_AUTHENTICATE
         code = "model_not_found" if isinstance(exc, UnknownModelError) else None
+        if isinstance(exc, AuthenticationError):
+            code = "invalid_api_key"
         param = exc.param if isinstance(exc, InvalidParameterError) else None
         return _error_response(kind, status, message, code=code, param=param, headers=headers)
 

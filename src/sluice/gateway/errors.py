@@ -20,7 +20,11 @@ from sluice.events import Error
 
 __all__ = [
     "REFUSAL_STATUS",
+    "WWW_AUTHENTICATE",
+    "AuthenticationError",
+    "HeadersTooLargeError",
     "PayloadTooLargeError",
+    "UrlTooLongError",
     "error_response",
     "refusal_response",
     "response_for",
@@ -31,8 +35,25 @@ __all__ = [
 REFUSAL_STATUS = {"overloaded": 503, "invalid_request": 400, "backend_error": 502}
 
 
+# What a 401 says about how to authenticate (RFC 6750 section 3).
+WWW_AUTHENTICATE = 'Bearer realm="sluice"'
+
+
 class PayloadTooLargeError(BadRequestError):
     """A request body over the configured bound."""
+
+
+class HeadersTooLargeError(BadRequestError):
+    """Request header lines over the configured bound (431)."""
+
+
+class UrlTooLongError(BadRequestError):
+    """A request target over the configured bound (414)."""
+
+
+class AuthenticationError(SluiceError):
+    """A missing or wrong API key (401); never used for another tenant's stream, which is
+    answered as unknown (404) so that its existence does not leak."""
 
 
 def error_response(
@@ -44,6 +65,8 @@ def error_response(
 ) -> Response:
     """A JSON error response."""
     error_type = "invalid_request_error" if status < 500 else "server_error"
+    if status == 401:
+        error_type = "authentication_error"
     if status in (429, 503):
         error_type = "overloaded_error"
     payload = {"error": {"type": error_type, "code": code, "message": message}}
@@ -52,12 +75,19 @@ def error_response(
 
 def response_for(exc: SluiceError) -> Response:
     """The HTTP answer for an error raised before a response started."""
+    if isinstance(exc, AuthenticationError):
+        headers = {"WWW-Authenticate": WWW_AUTHENTICATE}
+        return error_response(401, "invalid_api_key", str(exc), headers=headers)
     if isinstance(exc, StreamNotFoundError):
         return error_response(404, "stream_not_found", str(exc))
     if isinstance(exc, UnknownModelError):
         return error_response(404, "model_not_found", str(exc))
     if isinstance(exc, PayloadTooLargeError):
         return error_response(413, "payload_too_large", str(exc))
+    if isinstance(exc, HeadersTooLargeError):
+        return error_response(431, "headers_too_large", str(exc))
+    if isinstance(exc, UrlTooLongError):
+        return error_response(414, "url_too_long", str(exc))
     if isinstance(exc, BadEventIdError):
         return error_response(400, "bad_event_id", str(exc))
     if isinstance(exc, BadRequestError):

@@ -10,7 +10,11 @@ the transport, driven by callbacks:
 - no ASGI task, receive/send coroutines or disconnect watcher stays alive per stream;
 - ``connection_lost`` detaches the reader at once (the hub may cancel the stream);
 - ``pause_writing``/``resume_writing`` stop and restart reading the log (backpressure);
-- a graceful shutdown ends each stream on an event boundary.
+- a graceful shutdown ends each stream on an event boundary;
+- request heads are bounded while they are parsed (httptools bounds neither the target nor
+  the header lines): a target over ``Settings.max_url_bytes`` is answered 414, header lines
+  over ``Settings.max_header_bytes`` 431, and the connection closed, before the head is
+  buffered whole.
 
 Every other request, and every SSE read when the app is served by another ASGI server,
 goes through the ASGI app unchanged. uvicorn is pinned: this subclass relies on its
@@ -29,6 +33,8 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from sluice.errors import SluiceError
+from sluice.gateway.limits import HEADER_LINE_OVERHEAD, header_bytes_error, url_bytes_error
+from sluice.gateway.settings import Settings
 from sluice.gateway.streaming import EventStreams, refusal
 from sluice.transports.asgi import Scope
 from sluice.transports.sse import SSE_HEADERS, SSEConnection
@@ -36,6 +42,10 @@ from sluice.transports.sse import SSE_HEADERS, SSEConnection
 __all__ = ["SluiceHttpProtocol"]
 
 _LAST_CHUNK = b"0\r\n\r\n"
+# httptools hands a header line over only once it is whole, so a single endless line would
+# be buffered inside the parser: the raw bytes of an unfinished head are bounded too, with
+# one socket read of slack (a read may also carry the end of the previous request).
+_HEAD_READ_SLACK_BYTES = 64 * 1024
 
 
 class _Pipeline(list[Any]):
@@ -80,6 +90,11 @@ class SluiceHttpProtocol(HttpToolsProtocol):
 
     # Slots keep the per-connection instance dict of the base class from growing.
     __slots__ = (
+        "head_limits",
+        "head_refused",
+        "in_head",
+        "num_head_bytes",
+        "num_header_bytes",
         "sse",
         "sse_chunked",
         "sse_closing",
@@ -97,14 +112,73 @@ class SluiceHttpProtocol(HttpToolsProtocol):
         self.sse_chunked = True
         self.sse_closing = False  # the server is shutting down
         self.pipeline = _Pipeline()  # type: ignore[assignment]
+        limits = getattr(self.config.app, "settings", None)
+        self.head_limits: Settings = limits if isinstance(limits, Settings) else Settings()
+        self.head_refused = False  # a head over the limits was answered; ignore the rest
+        self.in_head = False  # between a message's first byte and the end of its head
+        self.num_head_bytes = 0  # raw bytes read while in the head
+        self.num_header_bytes = 0  # header lines parsed, as on the wire
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.flow = _FlowControl(transport)
 
+    # ------------------------------------------------------------------ head limits
+
+    def data_received(self, data: bytes) -> None:
+        if self.head_refused:
+            return
+        super().data_received(data)
+        if self.in_head and not self.head_refused:
+            self.num_head_bytes += len(data)
+            limits = self.head_limits
+            bound = limits.max_header_bytes + limits.max_url_bytes + _HEAD_READ_SLACK_BYTES
+            if self.num_head_bytes > bound:
+                error = header_bytes_error(self.num_head_bytes, limits)
+                if error is not None:  # always, since the bound is above the limit
+                    self._refuse_head(error)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.in_head = True
+        self.num_head_bytes = 0
+        self.num_header_bytes = 0
+
+    def on_url(self, url: bytes) -> None:
+        if self.head_refused:
+            return
+        super().on_url(url)
+        error = url_bytes_error(len(self.url), self.head_limits)
+        if error is not None:
+            self._refuse_head(error)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.head_refused:
+            return
+        self.num_header_bytes += len(name) + len(value) + HEADER_LINE_OVERHEAD
+        error = header_bytes_error(self.num_header_bytes, self.head_limits)
+        if error is not None:
+            self._refuse_head(error)
+            return
+        super().on_header(name, value)
+
+    def _refuse_head(self, error: SluiceError) -> None:
+        """Answer a head over the limits (unless a response is under way) and hang up."""
+        self.head_refused = True
+        self.in_head = False
+        busy = self.sse_request or (self.cycle is not None and not self.cycle.response_complete)
+        if busy or self.transport.is_closing():
+            self.transport.close()
+            return
+        self.sse_keep_alive = False
+        self._write_whole(*refusal(error))
+
     # ------------------------------------------------------------------ parser callbacks
 
     def on_headers_complete(self) -> None:
+        if self.head_refused:
+            return
+        self.in_head = False
         if self.sse_request:
             # A request pipelined behind a live SSE response: not supported, hang up.
             self.transport.close()
@@ -140,11 +214,11 @@ class SluiceHttpProtocol(HttpToolsProtocol):
         self.tasks.add(task)
 
     def on_body(self, body: bytes) -> None:
-        if not self.sse_request:
+        if not self.sse_request and not self.head_refused:
             super().on_body(body)
 
     def on_message_complete(self) -> None:
-        if not self.sse_request:
+        if not self.sse_request and not self.head_refused:
             super().on_message_complete()
 
     # ------------------------------------------------------------------ transport events

@@ -9,6 +9,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from sluice.errors import BadEventIdError, SluiceError
 from sluice.events import Error
+from sluice.gateway.auth import TOKEN_PARAM, Auth, Caller, presented_token
 from sluice.gateway.errors import refusal_response, response_for
 from sluice.gateway.requests import generation_request, parse_create_stream, read_json_body
 from sluice.gateway.settings import Settings
@@ -23,21 +24,30 @@ class NativeApi:
     """Request handlers bound to one hub."""
 
     def __init__(
-        self, hub: StreamHub, settings: Settings, page_html: str, metrics: Metrics
+        self, hub: StreamHub, settings: Settings, page_html: str, metrics: Metrics, auth: Auth
     ) -> None:
         self._hub = hub
         self._settings = settings
         self._page_html = page_html
         self._metrics = metrics
+        self._auth = auth
+
+    def _caller(self, request: Request) -> Caller:
+        headers = request.scope["headers"]
+        token = presented_token(headers, request.query_params.get(TOKEN_PARAM))
+        return self._auth.caller(headers, token)
 
     def _stream(self, request: Request) -> Stream:
+        """The stream a request names, if its caller may touch it (401 first, then 404)."""
+        caller = self._caller(request)
         stream_id = request.path_params["stream_id"]
         if not is_stream_id(stream_id):
             raise BadEventIdError(f"malformed stream id {stream_id[:80]!r}")
-        return self._hub.get(stream_id)
+        return self._auth.check(self._hub.get(stream_id), caller)
 
     async def create_stream(self, request: Request) -> Response:
         try:
+            tenant = self._auth.creator(request.scope["headers"])
             payload = await read_json_body(
                 request.scope, request.receive, self._settings.max_body_bytes
             )
@@ -47,6 +57,7 @@ class NativeApi:
                 generation_request(body),
                 resumable=body.resumable,
                 grace_s=body.grace_s,
+                tenant=tenant,
             )
             first = await self._hub.first_event(stream.id)
         except SluiceError as exc:
@@ -56,10 +67,13 @@ class NativeApi:
             self._metrics.refusals.labels(first.type).inc()
             return refusal_response(first)
         base = f"/v1/streams/{stream.id}"
+        token = self._auth.tokens.mint(stream.id)
         payload = {
             **stream.describe(),
-            "events_url": f"{base}/events",
+            # EventSource cannot send a key: the events URL carries the stream's capability.
+            "events_url": f"{base}/events?{TOKEN_PARAM}={token}",
             "cancel_url": f"{base}/cancel",
+            "resume_token": token,
         }
         return JSONResponse(payload, status_code=201, headers={"Location": base})
 
@@ -85,6 +99,10 @@ class NativeApi:
         return JSONResponse({"id": stream.id, "dropped": dropped})
 
     async def models(self, request: Request) -> Response:
+        try:
+            self._auth.caller(request.scope["headers"])
+        except SluiceError as exc:
+            return response_for(exc)
         data = [
             {"id": model, "object": "model", "owned_by": "sluice"} for model in self._hub.models
         ]

@@ -28,6 +28,10 @@ class Settings:
     max_prompt_chars: int = 200_000
     max_interval_ms: float = 60_000.0
     max_tokens_limit: int = 1_000_000
+    # Request heads: all header lines (name, value, ": " and CRLF) answer 431 above this,
+    # the request target (path and query) 414 (common proxy defaults: nginx 8 KiB lines).
+    max_header_bytes: int = 16 * 1024
+    max_url_bytes: int = 8 * 1024
     # Which model a request gets when it names none.
     default_model: str = "words"
     cors_allow_origins: tuple[str, ...] = field(default=("*",))
@@ -42,6 +46,8 @@ class Settings:
             "max_body_bytes": self.max_body_bytes,
             "max_prompt_chars": self.max_prompt_chars,
             "max_tokens_limit": self.max_tokens_limit,
+            "max_header_bytes": self.max_header_bytes,
+            "max_url_bytes": self.max_url_bytes,
         }
         for name, value in positive.items():
             if value <= 0:

@@ -22,6 +22,7 @@ from sluice.errors import (
     SluiceError,
     StreamNotFoundError,
 )
+from sluice.gateway.auth import TOKEN_PARAM, Auth, Caller, presented_token
 from sluice.gateway.compat import Dialect
 from sluice.gateway.errors import response_for
 from sluice.gateway.requests import check_bounds, last_event_id, to_generation_request
@@ -46,10 +47,11 @@ _DEMO_PATH = "/v1/demo/words"
 class EventStreams:
     """Serves SSE reads of the hub's streams."""
 
-    def __init__(self, hub: StreamHub, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, hub: StreamHub, settings: Settings, metrics: Metrics, auth: Auth) -> None:
         self._hub = hub
         self._settings = settings
         self._metrics = metrics
+        self._auth = auth
         self.options = SSEOptions(
             heartbeat_interval_s=settings.heartbeat_interval_s,
             retry_ms=settings.retry_ms,
@@ -81,19 +83,27 @@ class EventStreams:
         """
         path: str = scope["path"]
         query = parse_qs(scope["query_string"].decode("latin-1"), keep_blank_values=True)
+        tokens = query.get(TOKEN_PARAM)
+        caller = self._auth.caller(
+            scope["headers"], presented_token(scope["headers"], tokens[-1] if tokens else None)
+        )
         position = last_event_id(scope, query)
         if path == _DEMO_PATH:
             # EventSource reconnects to the URL it first opened, so a request that carries
             # a Last-Event-ID resumes that stream instead of starting another.
             if position is not None:
-                return self._resume(position, None)
-            return await self._start_words(query)
+                return self._resume(position, None, caller)
+            return await self._start_words(query, self._auth.creator(scope["headers"]))
         stream_id = path[len(_STREAMS_PREFIX) : -len(_EVENTS_SUFFIX)]
         if not is_stream_id(stream_id):
             raise BadEventIdError(f"malformed stream id {stream_id[:80]!r}")
         if position is None:
-            return self._open(self._hub.get(stream_id), 0, 0)
-        return self._resume(position, stream_id)
+            return self._open(self._stream(stream_id, caller), 0, 0)
+        return self._resume(position, stream_id, caller)
+
+    def _stream(self, stream_id: str, caller: Caller) -> Stream:
+        """The stream, if ``caller`` may read it; else exactly what an unknown id gets."""
+        return self._auth.check(self._hub.get(stream_id), caller)
 
     def _open(self, stream: Stream, after_seq: int, frames: int) -> Reader | None:
         last_seq = self._hub.log.last_seq(stream.id)
@@ -111,22 +121,25 @@ class EventStreams:
             reader.framer = dialect.framer(self._hub.log, stream.id, after_seq, frames)
         return reader
 
-    def _resume(self, position: tuple[str, int, int], stream_id: str | None) -> Reader | None:
+    def _resume(
+        self, position: tuple[str, int, int], stream_id: str | None, caller: Caller
+    ) -> Reader | None:
         position_stream, after_seq, frames = position
+        if stream_id is not None and position_stream != stream_id:
+            raise BadEventIdError(
+                f"Last-Event-ID belongs to stream {position_stream}, not {stream_id}"
+            )
+        stream = self._stream(position_stream, caller)
         self._metrics.resumes.inc()
         try:
             self._hub.log.read(position_stream, after_seq, 1)
         except ResumeGapError:
             self._metrics.resume_gaps.inc()  # the reader's first read reports it in-band
         except StreamNotFoundError:
-            pass  # answered below
-        if stream_id is not None and position_stream != stream_id:
-            raise BadEventIdError(
-                f"Last-Event-ID belongs to stream {position_stream}, not {stream_id}"
-            )
-        return self._open(self._hub.get(position_stream), after_seq, frames)
+            pass  # gone meanwhile: answered by _open
+        return self._open(stream, after_seq, frames)
 
-    async def _start_words(self, query: dict[str, list[str]]) -> Reader | None:
+    async def _start_words(self, query: dict[str, list[str]], tenant: str) -> Reader | None:
         texts = query.get("text")
         if not texts:
             raise BadRequestError("text: required query parameter")
@@ -139,7 +152,10 @@ class EventStreams:
             raise BadRequestError("max_tokens: must be an integer")
         check_bounds(text, interval_ms, max_tokens, self._settings)
         stream = await self._hub.create(
-            "words", to_generation_request(text, interval_ms, max_tokens), resumable=True
+            "words",
+            to_generation_request(text, interval_ms, max_tokens),
+            resumable=True,
+            tenant=tenant,
         )
         return self._hub.open_reader(stream.id, 0)
 
