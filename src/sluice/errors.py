@@ -18,6 +18,7 @@ errors are translated at the boundary (``raise ... from exc``) into one of these
     │   └── UnknownModelError         a model this server does not serve
     ├── BackendError                  a backend failed while generating
     ├── CapacityError                 no room for another stream; carries ``retry_after_s``
+    │   └── TenantLimitError          the tenant holds its maximum of live streams (429)
     └── ConfigError                   settings that cannot work
 """
 
@@ -39,6 +40,7 @@ __all__ = [
     "SluiceError",
     "StreamError",
     "StreamNotFoundError",
+    "TenantLimitError",
     "UnknownModelError",
 ]
 
@@ -139,8 +141,22 @@ class ConfigError(SluiceError, ValueError):
 
 
 class CapacityError(SluiceError):
-    """No room for another stream now; try again after ``retry_after_s`` seconds."""
+    """No room for another stream now; try again after ``retry_after_s`` seconds.
 
-    def __init__(self, message: str, *, retry_after_s: float) -> None:
+    ``reason`` names the limit for metrics: ``capacity`` (the server's), ``queue_full``
+    (the engine's waiting queue), ``ttft_slo`` (the predicted time to first token).
+    """
+
+    def __init__(self, message: str, *, retry_after_s: float, reason: str = "capacity") -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.reason = reason
+
+
+class TenantLimitError(CapacityError):
+    """The tenant already holds its maximum of live streams (an HTTP ``429``, where a plain
+    :class:`CapacityError` is a ``503``: the server has room, this client does not)."""
+
+    def __init__(self, message: str, *, tenant: str, retry_after_s: float) -> None:
+        super().__init__(message, retry_after_s=retry_after_s, reason="tenant_limit")
+        self.tenant = tenant

@@ -6,7 +6,11 @@ Each :class:`EngineGeneration` encodes its prompt (a chat's messages through the
 before the stream's first event, translated at this boundary:
 
 - the scheduler's ``QueueFullError`` becomes :class:`~sluice.errors.CapacityError`
-  (``retry_after_s=1``);
+  (``retry_after_s=1``, reason ``queue_full``);
+- with a ``ttft_slo_s``, a request whose predicted time to first token is over it is
+  refused with :class:`~sluice.errors.CapacityError` (reason ``ttft_slo``) before it is
+  queued: the prediction is the prompt tokens queued ahead of it plus its own, divided by
+  the prefill rate a :class:`PrefillMeter` measures from the engine's outputs;
 - ``ValueError`` (an empty or too long prompt, a bad ``max_tokens``) becomes
   :class:`~sluice.errors.BadRequestError`;
 - the driver's errors (a failed step, a stopped driver) become a retryable
@@ -21,6 +25,7 @@ driver: whoever starts it (``async with AsyncEngine(...)``) stops it.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -33,12 +38,87 @@ from sluice.engine.scheduler import QueueFullError
 from sluice.errors import BackendError, BadRequestError, CapacityError
 from sluice.events import FinishReason, TextDelta, Usage
 
-__all__ = ["EngineBackend", "EngineGeneration", "PromptEncoder"]
+__all__ = ["EngineBackend", "EngineGeneration", "PrefillMeter", "PromptEncoder"]
 
 # Seconds a client is asked to wait when the engine's waiting queue is full.
 _QUEUE_FULL_RETRY_AFTER_S = 1.0
 
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+
+
+class PrefillMeter:
+    """Prompt tokens waiting for their first output, and the rate the engine clears them.
+
+    A request's prompt is *queued* from just before it is added to the engine until its
+    first output (its prefill is done) or until it leaves without one. While anything is
+    queued, the meter is busy: the prompt tokens cleared over each window of at least
+    ``min_window_s`` busy seconds are one sample of the rate, and the rate is an EWMA of
+    the samples (weight ``alpha``). The rate is measured under the load it predicts for:
+    decode steps sharing the token budget, batches full of running sequences and preemption
+    all slow it down, as they slow down the time to first token.
+
+    At low load a window holds one small request, so its sample understates what the engine
+    can clear in a batch; :meth:`predicted_ttft_s` is therefore never over the SLO for a
+    request that would be the only one queued (refusing it would help nobody).
+    Time is passed in (seconds on any monotonic clock), so the meter is pure and testable.
+    """
+
+    __slots__ = (
+        "_alpha",
+        "_min_window_s",
+        "_window_start",
+        "_window_tokens",
+        "num_queued_tokens",
+        "tokens_per_s",
+    )
+
+    def __init__(self, *, alpha: float = 0.25, min_window_s: float = 0.1) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if min_window_s <= 0:
+            raise ValueError(f"min_window_s must be positive, got {min_window_s}")
+        self._alpha = alpha
+        self._min_window_s = min_window_s
+        self.num_queued_tokens = 0
+        self.tokens_per_s: float | None = None  # None until the first sample
+        self._window_start = 0.0
+        self._window_tokens = 0
+
+    def predicted_ttft_s(self, num_tokens: int) -> float:
+        """Seconds until a prompt of ``num_tokens`` queued now would be prefilled (0 while
+        nothing is queued or no rate is known yet)."""
+        rate = self.tokens_per_s
+        if rate is None or not self.num_queued_tokens:
+            return 0.0
+        return (self.num_queued_tokens + num_tokens) / rate
+
+    def queued(self, num_tokens: int, now: float) -> None:
+        if not self.num_queued_tokens:
+            self._window_start = now
+            self._window_tokens = 0
+        self.num_queued_tokens += num_tokens
+
+    def prefilled(self, num_tokens: int, now: float) -> None:
+        """A queued prompt got its first output."""
+        self.num_queued_tokens -= num_tokens
+        self._window_tokens += num_tokens
+        self._sample(now)
+
+    def dropped(self, num_tokens: int, now: float) -> None:
+        """A queued prompt left without output (aborted, refused, failed)."""
+        self.num_queued_tokens -= num_tokens
+        self._sample(now)
+
+    def _sample(self, now: float) -> None:
+        elapsed = now - self._window_start
+        idle = not self.num_queued_tokens
+        if elapsed >= self._min_window_s or (idle and elapsed > 0):
+            if self._window_tokens:
+                sample = self._window_tokens / elapsed
+                rate = self.tokens_per_s
+                self.tokens_per_s = sample if rate is None else rate + self._alpha * (sample - rate)
+            self._window_start = now
+            self._window_tokens = 0
 
 
 class PromptEncoder(Protocol):
@@ -58,11 +138,14 @@ class EngineGeneration:
         "_finished",
         "_latest",
         "_max_tokens",
+        "_meter",
         "_num_prompt_tokens",
         "_params",
+        "_queued",
         "_request",
         "_started",
         "_stream",
+        "_ttft_slo_s",
     )
 
     def __init__(
@@ -73,8 +156,13 @@ class EngineGeneration:
         request: GenerationRequest,
         params: SamplingParams,
         max_tokens: int,
+        meter: PrefillMeter | None = None,
+        ttft_slo_s: float | None = None,
     ) -> None:
         self._driver = driver
+        self._meter = meter or PrefillMeter()
+        self._ttft_slo_s = ttft_slo_s
+        self._queued = False  # counted in the meter's queued prompt tokens
         self._encoder = encoder
         self._chat = chat
         self._request = request
@@ -103,20 +191,57 @@ class EngineGeneration:
             prompt_ids = self._encoder.encode(prompt)
             self._num_prompt_tokens = len(prompt_ids)
             params = _request_params(self._params, self._request, self._max_tokens)
+        except ValueError as exc:
+            raise BadRequestError(str(exc)) from exc
+        self._admit()  # reserves its prompt in the meter, so concurrent starts see it
+        try:
             stream = await self._driver.add_request(prompt_ids, params)
         except QueueFullError as exc:
+            self._leave_queue(prefilled=False)
             raise CapacityError(
                 f"the engine's waiting queue is full: {exc}",
                 retry_after_s=_QUEUE_FULL_RETRY_AFTER_S,
+                reason="queue_full",
             ) from exc
         except ValueError as exc:
+            self._leave_queue(prefilled=False)
             raise BadRequestError(str(exc)) from exc
         except EngineDriverError as exc:
+            self._leave_queue(prefilled=False)
             raise BackendError(str(exc), retryable=True) from exc
+        except BaseException:
+            self._leave_queue(prefilled=False)
+            raise
         self._stream = stream
         if self._abort_requested():  # abort() ran while the request was being added
             self._finished = True
+            self._leave_queue(prefilled=False)
             self._driver.abort_nowait(stream.request_id)
+
+    def _admit(self) -> None:
+        """Refuse the request if its predicted time to first token is over the SLO; else
+        count its prompt as queued."""
+        meter, num_tokens = self._meter, self._num_prompt_tokens
+        slo_s = self._ttft_slo_s
+        if slo_s is not None:
+            predicted_s = meter.predicted_ttft_s(num_tokens)
+            if predicted_s > slo_s:
+                raise CapacityError(
+                    f"predicted time to first token {predicted_s:.2f} s is over the "
+                    f"{slo_s:g} s objective ({meter.num_queued_tokens} prompt tokens queued)",
+                    retry_after_s=max(1.0, predicted_s - slo_s),
+                    reason="ttft_slo",
+                )
+        meter.queued(num_tokens, time.monotonic())
+        self._queued = True
+
+    def _leave_queue(self, *, prefilled: bool) -> None:
+        if self._queued:
+            self._queued = False
+            if prefilled:
+                self._meter.prefilled(self._num_prompt_tokens, time.monotonic())
+            else:
+                self._meter.dropped(self._num_prompt_tokens, time.monotonic())
 
     def __aiter__(self) -> AsyncIterator[Delta]:
         if self._started:
@@ -131,6 +256,8 @@ class EngineGeneration:
             return
         try:
             async for output in stream:
+                if self._queued:
+                    self._leave_queue(prefilled=True)
                 self._latest = output
                 reason = None
                 if output.finished:
@@ -143,6 +270,7 @@ class EngineGeneration:
             self._finished = True  # the driver has already dropped the request
             raise BackendError(str(exc), retryable=True) from exc
         finally:
+            self._leave_queue(prefilled=False)
             if not self._finished:  # cancelled, aborted or abandoned: free the blocks
                 self._finished = True
                 self._driver.abort_nowait(stream.request_id)
@@ -153,6 +281,7 @@ class EngineGeneration:
     async def abort(self) -> None:
         """Abort the engine request (idempotent; safe before the start and after the end)."""
         self._aborted = True
+        self._leave_queue(prefilled=False)
         if self._stream is not None and not self._finished:
             self._finished = True
             self._driver.abort_nowait(self._stream.request_id)
@@ -199,9 +328,12 @@ class EngineBackend:
         params: SamplingParams | None = None,
         chat_template: ChatTemplate | None = None,
         version: str = "",
+        ttft_slo_s: float | None = None,
     ) -> None:
         if default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be at least 1, got {default_max_tokens}")
+        if ttft_slo_s is not None and not ttft_slo_s > 0:
+            raise ValueError(f"ttft_slo_s must be positive, got {ttft_slo_s}")
         self._model = model_name
         self._driver = driver
         self._tokenizer = tokenizer
@@ -209,6 +341,9 @@ class EngineBackend:
         self._params = params or SamplingParams()
         self._chat = chat_template or ChatTemplate(SIMPLE_TEMPLATE)
         self.version = version  # the ``model_version`` metrics label
+        # Off (None) by default: refusing on a prediction is an operator's choice.
+        self.ttft_slo_s = ttft_slo_s
+        self.meter = PrefillMeter()
 
     @property
     def model(self) -> str:
@@ -217,7 +352,14 @@ class EngineBackend:
     def generate(self, request: GenerationRequest) -> EngineGeneration:
         max_tokens = self._default_max_tokens if request.max_tokens is None else request.max_tokens
         return EngineGeneration(
-            self._driver, self._tokenizer, self._chat, request, self._params, max_tokens
+            self._driver,
+            self._tokenizer,
+            self._chat,
+            request,
+            self._params,
+            max_tokens,
+            self.meter,
+            self.ttft_slo_s,
         )
 
     async def stats(self) -> dict[str, int]:
@@ -233,7 +375,10 @@ class EngineBackend:
                 "prefix_hits": blocks.num_prefix_hits,
             }
 
-        return await self._driver.call(snapshot)
+        stats = await self._driver.call(snapshot)
+        stats["queued_prompt_tokens"] = self.meter.num_queued_tokens
+        stats["prefill_tokens_per_s"] = round(self.meter.tokens_per_s or 0)
+        return stats
 
     async def aclose(self) -> None:
         """Nothing to release: the driver belongs to whoever started it."""

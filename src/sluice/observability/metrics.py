@@ -24,7 +24,17 @@ metric                                      what
 ``sluice_resumes_total``                    reads that resumed from a Last-Event-ID
 ``sluice_resume_gaps_total``                resumes refused: the position was dropped
 ``sluice_admission_refusals_total``         by ``reason``: overloaded, invalid_request,
-                                            backend_error, unknown_model, too_many_streams
+                                            backend_error, unknown_model, too_many_streams,
+                                            tenant_limit
+``sluice_backend_refusals_total``           works a backend refused in ``start()``, by
+                                            ``reason``: queue_full, ttft_slo, capacity
+``sluice_streams_limited_total``            streams a hub limit ended, by ``limit``:
+                                            max_tokens, max_duration
+``sluice_sse_disconnects_total``            SSE connections the server closed, by
+                                            ``reason``: send_timeout (the socket did not
+                                            drain for ``send_timeout_s``)
+``sluice_sse_coalesced_events_total``       token events merged into others for lagging
+                                            readers (the merged events are not counted)
 ``sluice_engine_*``                         running and waiting sequences, KV blocks total
                                             and used, prefix-cache hits (gauges, per model)
 =========================================== =================================================
@@ -36,7 +46,7 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from sluice.errors import CapacityError, UnknownModelError
+from sluice.errors import CapacityError, TenantLimitError, UnknownModelError
 from sluice.streams.hub import Stream
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
@@ -83,6 +93,29 @@ class Metrics:
         self.refusals = Counter(
             "sluice_admission_refusals", "Refused streams", ("reason",), registry=registry
         )
+        self.backend_refusals = Counter(
+            "sluice_backend_refusals",
+            "Works refused by a backend when they started",
+            (*labels, "reason"),
+            registry=registry,
+        )
+        self.limited_total = Counter(
+            "sluice_streams_limited",
+            "Streams ended by a limit of the hub",
+            (*labels, "limit"),
+            registry=registry,
+        )
+        self.disconnects = Counter(
+            "sluice_sse_disconnects",
+            "SSE connections closed by the server",
+            ("reason",),
+            registry=registry,
+        )
+        self.coalesced = Counter(
+            "sluice_sse_coalesced_events",
+            "Token events merged for lagging readers",
+            registry=registry,
+        )
         self.engine = {
             name: Gauge(f"sluice_engine_{name}", doc, ("model",), registry=registry)
             for name, doc in _ENGINE_GAUGES.items()
@@ -110,11 +143,27 @@ class Metrics:
         self.finished_total.labels(*labels, outcome).inc()
         self.e2e.labels(*labels).observe(e2e_s)
 
+    def limited(self, stream: Stream, limit: str) -> None:
+        self.limited_total.labels(*self._labels(stream), limit).inc()
+
+    def refused(self, stream: Stream, reason: str) -> None:
+        self.backend_refusals.labels(*self._labels(stream), reason).inc()
+
+    # -- the SSE transports' DeliveryObserver ---------------------------------------------
+
+    def send_timed_out(self) -> None:
+        self.disconnects.labels("send_timeout").inc()
+
+    def coalesced_events(self, count: int) -> None:
+        self.coalesced.inc(count)
+
     # -- the rest -------------------------------------------------------------------------
 
     def refused_before_start(self, exc: Exception) -> None:
         """Count a create refused before its stream existed (only capacity and models)."""
-        if isinstance(exc, CapacityError):
+        if isinstance(exc, TenantLimitError):
+            self.refusals.labels("tenant_limit").inc()
+        elif isinstance(exc, CapacityError):
             self.refusals.labels("too_many_streams").inc()
         elif isinstance(exc, UnknownModelError):
             self.refusals.labels("unknown_model").inc()

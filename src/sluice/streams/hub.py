@@ -9,6 +9,20 @@ follow it live. Generation is decoupled from connections:
 - a stream nobody ever reads is cancelled when its first grace window ends;
 - a finished stream stays readable for ``retention_s``, then its log is deleted.
 
+Limits (:class:`HubSettings`), all decided before a stream's first event or enforced by its
+producer:
+
+- ``max_streams`` live and retained streams on this server (``CapacityError``: 503);
+- ``max_streams_per_tenant`` live streams per tenant (``TenantLimitError``: 429);
+- ``max_tokens_per_stream``: a request asking for more is clamped to it, and a backend
+  whose own default is larger is stopped there; the stream ends with ``Finished(length)``;
+- ``max_stream_s`` from creation to the terminal event: the generation is aborted and the
+  stream ends with ``usage`` then ``Finished(length)``. A duration cap, like a token cap,
+  cuts the output short without making what was sent wrong, so it is reported the way
+  every client already handles a cut (OpenAI ``finish_reason: "length"``, Anthropic
+  ``max_tokens``), not as an error that SDKs raise and whose text they drop.
+  ``StreamObserver.limited`` tells metrics which limit it was.
+
 Producer tasks live in the hub's task group (entered by :meth:`StreamHub.running`); grace
 and retention are loop timers, not tasks, so a held idle stream costs no task of its own
 beyond its producer.
@@ -18,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -30,12 +45,13 @@ from sluice.errors import (
     BadRequestError,
     CapacityError,
     StreamNotFoundError,
+    TenantLimitError,
     UnknownModelError,
 )
 from sluice.events import Error, Finished, FinishReason, NeutralEvent, Started
 from sluice.streams.ids import new_stream_id
 from sluice.streams.log import EventLog
-from sluice.streams.reader import Reader
+from sluice.streams.reader import DeliveryObserver, Reader
 from sluice.streams.state import TERMINAL_STATES, StreamState, next_state
 
 __all__ = ["HubSettings", "Stream", "StreamHub", "StreamObserver"]
@@ -55,6 +71,16 @@ class HubSettings:
     max_grace_s: float = 3600.0
     retention_s: float = 300.0
     max_streams: int = 100_000
+    # Live streams one tenant may hold at once (each may pin a model slot).
+    max_streams_per_tenant: int = 1_000
+    # Token events one stream may produce: the log's default record bound, so a whole
+    # stream stays resumable from its first event.
+    max_tokens_per_stream: int = 100_000
+    # Creation to terminal event; long enough for any sane generation, short enough that a
+    # runaway one (an upstream that never ends) does not hold its slot for a day.
+    max_stream_s: float = 3600.0
+    # What a refused client is told to wait (``Retry-After``) when a limit of the hub is hit.
+    retry_after_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.default_grace_s <= self.max_grace_s:
@@ -63,10 +89,19 @@ class HubSettings:
             raise ValueError("retention_s must not be negative")
         if self.max_streams < 1:
             raise ValueError("max_streams must be at least 1")
+        if self.max_streams_per_tenant < 1:
+            raise ValueError("max_streams_per_tenant must be at least 1")
+        if self.max_tokens_per_stream < 1:
+            raise ValueError("max_tokens_per_stream must be at least 1")
+        if not self.max_stream_s > 0:
+            raise ValueError("max_stream_s must be positive")
+        if self.retry_after_s < 0:
+            raise ValueError("retry_after_s must not be negative")
 
 
-class StreamObserver(Protocol):
-    """Told what every stream does, for metrics; each call must be quick and not raise."""
+class StreamObserver(DeliveryObserver, Protocol):
+    """Told what every stream does, for metrics (and, through its readers, what the
+    transports do to their clients); each call must be quick and not raise."""
 
     def started(self, stream: Stream, queued_s: float) -> None:
         """The backend admitted the work ``queued_s`` after the stream was created."""
@@ -78,6 +113,12 @@ class StreamObserver(Protocol):
     def finished(self, stream: Stream, outcome: str, e2e_s: float) -> None:
         """The stream ended: ``stop``, ``length``, ``tool_calls``, ``cancelled``,
         ``client_gone`` or ``error``."""
+
+    def limited(self, stream: Stream, limit: str) -> None:
+        """A limit of the hub ended the stream: ``max_tokens`` or ``max_duration``."""
+
+    def refused(self, stream: Stream, reason: str) -> None:
+        """The backend refused the work in ``start()`` (``CapacityError.reason``)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -105,10 +146,14 @@ class Stream:
     # Why a cancel was asked for: "cancelled" (on request) or "client_gone" (no reader).
     cancel_cause: str = "cancelled"
     admitted: bool = False  # the backend's start() succeeded
+    # Why the backend refused the work in start(), with its ``retry_after_s``.
+    refusal: CapacityError | None = None
     # time.monotonic() at creation, for the observer's latencies.
     created_mono: float = field(default_factory=time.monotonic, repr=False)
     # The grace window while live; the retention window once terminal.
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+    # ``max_stream_s`` after creation, while live.
+    deadline: asyncio.TimerHandle | None = field(default=None, repr=False)
 
     @property
     def is_terminal(self) -> bool:
@@ -146,6 +191,7 @@ class StreamHub:
         self._backends = dict(backends)
         self.settings = settings or HubSettings()
         self._streams: dict[str, Stream] = {}
+        self._num_live_by_tenant: dict[str, int] = {}
         self._task_group: asyncio.TaskGroup | None = None
 
     @property
@@ -195,6 +241,10 @@ class StreamHub:
     def __len__(self) -> int:
         return len(self._streams)
 
+    def num_live(self, tenant: str) -> int:
+        """Live streams ``tenant`` holds now."""
+        return self._num_live_by_tenant.get(tenant, 0)
+
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[StreamHub]:
         """Own the producers' task group; on exit cancel every live stream and wait."""
@@ -209,7 +259,10 @@ class StreamHub:
         for stream in list(self._streams.values()):
             if stream.timer is not None:
                 stream.timer.cancel()
+            if stream.deadline is not None:
+                stream.deadline.cancel()
         self._streams.clear()
+        self._num_live_by_tenant.clear()
         await self._log.aclose()
 
     # ------------------------------------------------------------------ lifecycle
@@ -237,8 +290,20 @@ class StreamHub:
             grace_s = self.settings.default_grace_s
         if not 0 <= grace_s <= self.settings.max_grace_s:
             raise BadRequestError(f"grace_s must be between 0 and {self.settings.max_grace_s}")
-        if len(self._streams) >= self.settings.max_streams:
-            raise CapacityError("too many streams on this server", retry_after_s=1.0)
+        settings = self.settings
+        if len(self._streams) >= settings.max_streams:
+            raise CapacityError(
+                "too many streams on this server", retry_after_s=settings.retry_after_s
+            )
+        num_live = self._num_live_by_tenant.get(tenant, 0)
+        if num_live >= settings.max_streams_per_tenant:
+            raise TenantLimitError(
+                f"tenant {tenant!r} holds {num_live} live streams, its maximum",
+                tenant=tenant,
+                retry_after_s=settings.retry_after_s,
+            )
+        if request.max_tokens is not None and request.max_tokens > settings.max_tokens_per_stream:
+            request = dataclasses.replace(request, max_tokens=settings.max_tokens_per_stream)
         stream = Stream(
             id=new_stream_id(),
             model=model,
@@ -249,9 +314,12 @@ class StreamHub:
         )
         await self._log.create(stream.id)
         self._streams[stream.id] = stream
+        self._num_live_by_tenant[tenant] = num_live + 1
         stream.generation = backend.generate(request)
         # Nobody is reading yet: the first reader has one grace window to arrive.
         self._arm_grace(stream)
+        loop = asyncio.get_running_loop()
+        stream.deadline = loop.call_later(settings.max_stream_s, self._too_long, stream.id)
         stream.task = self._task_group.create_task(self._produce(stream, stream.generation))
         return stream
 
@@ -297,6 +365,7 @@ class StreamHub:
             stream.timer.cancel()  # the grace window: a reader is here
             stream.timer = None
         reader = Reader(self._log, stream_id, after_seq, on_close=self._reader_left)
+        reader.delivery = self._observer
         stream.readers.append(reader)
         return reader
 
@@ -326,6 +395,17 @@ class StreamHub:
             stream.timer.cancel()
         loop = asyncio.get_running_loop()
         stream.timer = loop.call_later(stream.grace_s, self._grace_over, stream.id)
+
+    def _too_long(self, stream_id: str) -> None:
+        stream = self._streams.get(stream_id)
+        if stream is None or stream.is_terminal:
+            return
+        stream.deadline = None
+        logger.info(
+            "stream %s: longer than %.0f s, ending it", stream_id, self.settings.max_stream_s
+        )
+        stream.cancel_cause = "max_duration"
+        self.cancel(stream_id)
 
     def _grace_over(self, stream_id: str) -> None:
         stream = self._streams.get(stream_id)
@@ -360,8 +440,14 @@ class StreamHub:
             num_deltas = 0
             append = self._log.append
             last = stream.created_mono  # so the first token's interval is its TTFT
+            max_tokens = self.settings.max_tokens_per_stream
             async for delta in generation:
                 events = delta.events
+                capped = False
+                left = max_tokens - stream.num_tokens
+                if len(events) >= left and (len(events) > left or delta.finish_reason is None):
+                    events = events[:left]  # the hub's limit is under the backend's
+                    capped = True
                 if events:
                     if observer is not None:
                         now = time.monotonic()
@@ -370,6 +456,13 @@ class StreamHub:
                     await append(stream.id, events)
                     stream.num_events += len(events)
                     stream.num_tokens += len(events)
+                if capped:
+                    stream.task = None
+                    await generation.abort()
+                    if observer is not None:
+                        observer.limited(stream, "max_tokens")
+                    reason = FinishReason.LENGTH
+                    break
                 if delta.finish_reason is not None:
                     reason = delta.finish_reason
                 num_deltas += 1
@@ -390,6 +483,12 @@ class StreamHub:
                 message = "the server is shutting down; retry the request"
                 final = [generation.usage(), Error("unavailable", message, True)]
                 target = StreamState.FAILED
+            elif stream.cancel_cause == "max_duration":
+                if self._observer is not None:
+                    self._observer.limited(stream, "max_duration")
+                final = [generation.usage(), Finished(FinishReason.LENGTH)]
+                running = stream.state is StreamState.RUNNING
+                target = StreamState.FINISHED if running else StreamState.CANCELLED
             else:
                 final = [generation.usage(), Finished(FinishReason.CANCELLED)]
                 target = StreamState.CANCELLED
@@ -400,6 +499,9 @@ class StreamHub:
             target = StreamState.FAILED
         except CapacityError as exc:  # a backend refused the work when it started
             stream.task = None
+            stream.refusal = exc
+            if self._observer is not None:
+                self._observer.refused(stream, exc.reason)
             await generation.abort()
             final = [Error("overloaded", str(exc), True)]
             target = StreamState.FAILED
@@ -435,6 +537,14 @@ class StreamHub:
         if stream.timer is not None:
             stream.timer.cancel()
             stream.timer = None
+        if stream.deadline is not None:
+            stream.deadline.cancel()
+            stream.deadline = None
+        num_live = self._num_live_by_tenant.get(stream.tenant, 0) - 1
+        if num_live > 0:
+            self._num_live_by_tenant[stream.tenant] = num_live
+        else:
+            self._num_live_by_tenant.pop(stream.tenant, None)
         stream.generation = None
         loop = asyncio.get_running_loop()
         stream.timer = loop.call_later(self.settings.retention_s, self._forget, stream.id)

@@ -13,7 +13,17 @@ from typing import Protocol
 from sluice.events import is_terminal
 from sluice.streams.log import Batch, EventLog, Waiter
 
-__all__ = ["Framer", "Reader"]
+__all__ = ["DeliveryObserver", "Framer", "Reader"]
+
+
+class DeliveryObserver(Protocol):
+    """Told what a transport did to a reader's client, for metrics; quick and never raising."""
+
+    def send_timed_out(self) -> None:
+        """The client's socket did not drain for the send timeout: it was disconnected."""
+
+    def coalesced_events(self, count: int) -> None:
+        """``count`` token events were merged into others for a lagging client."""
 
 
 class Framer(Protocol):
@@ -37,6 +47,7 @@ class Reader:
         "_on_close",
         "_waiter",
         "after_seq",
+        "delivery",
         "done",
         "framer",
         "interrupted",
@@ -58,6 +69,8 @@ class Reader:
         self.interrupted = False  # the server asked this connection to drop (clients resume)
         # Renders batches in a dialect other than the native one (the log's own frames).
         self.framer: Framer | None = None
+        # Where the transport reports timeouts and coalescing (the hub's observer).
+        self.delivery: DeliveryObserver | None = None
         self._waiter: Waiter | None = None
         self._on_close = on_close
         self._closed = False

@@ -12,22 +12,52 @@ append and joined per write, ``: ping`` when idle, end after the terminal event)
   server.
 
 A reader whose client cannot keep up is simply not read: the log absorbs the gap, and
-when the transport drains the next write carries every frame that is ready.
+when the transport drains the next write carries every frame that is ready. Slow clients:
+
+- **Coalescing.** A connection whose transport had to pause (the native path) or whose
+  last send had to wait (the ASGI path) is *lagging* until it catches up with the log;
+  while lagging, each run of consecutive ``token`` events in a read is sent as ONE
+  ``token`` event carrying their concatenated text, with the id of the last of them, so a
+  resume from that id is still exact. Native dialect only: the compatible dialects'
+  frames are rendered per event by their framers and left as they are. A client that keeps
+  up sees one event per token, exactly as appended.
+- **Send timeout.** A connection whose socket has not drained for ``send_timeout_s`` is
+  closed (unclean: no terminal event; the client may resume). Closing detaches its
+  reader, so a non-resumable stream left without readers is cancelled by the hub and no
+  model slot stays pinned by a stuck client. The native path arms one timer when the
+  transport pauses (nothing per write); the ASGI path puts each ``send`` under a deadline.
+- **Dead peers** (half-open TCP) never fill the buffer with heartbeats alone, so the
+  deadline that catches them is the kernel's: :func:`set_write_deadline` sets
+  ``TCP_USER_TIMEOUT`` to ``send_timeout_s`` on the connection's socket (data, such as the
+  next ``: ping``, unacknowledged that long resets the connection). With the defaults
+  (15 s heartbeats, 30 s timeout) a vanished peer is dropped within about two heartbeat
+  intervals after the first unanswered ping.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+import socket
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from sluice.dialects import native
 from sluice.errors import ResumeGapError, StreamNotFoundError
+from sluice.events import TextDelta
 from sluice.sse import encode_comment, encode_retry
+from sluice.streams.ids import event_id
+from sluice.streams.log import Batch
 from sluice.streams.reader import Reader
 from sluice.transports.asgi import Receive, Send
 
-__all__ = ["SSE_HEADERS", "SSEConnection", "SSEOptions", "send_event_stream"]
+__all__ = [
+    "SSE_HEADERS",
+    "SSEConnection",
+    "SSEOptions",
+    "coalesce_tokens",
+    "send_event_stream",
+    "set_write_deadline",
+]
 
 SSE_HEADERS: tuple[tuple[bytes, bytes], ...] = (
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -36,6 +66,10 @@ SSE_HEADERS: tuple[tuple[bytes, bytes], ...] = (
 )
 
 _PING = encode_comment("ping")
+
+# An ASGI ``send`` that returns later than this waited for the socket to drain (a send that
+# does not wait returns within microseconds): the reader is lagging.
+_SEND_WAITED_S = 0.002
 
 # _RETRY_NATIVE_ONLY: the ``retry:`` hint goes to native streams only. The OpenAI and
 # Anthropic SDKs' SSE parsers turn a ``retry:``-only block into an event with empty data
@@ -52,6 +86,11 @@ class SSEOptions:
     retry_ms: int = 1000
     # Frames joined into one write when a reader is behind (bounds a single write's size).
     max_batch_records: int = 512
+    # A connection whose socket takes nothing for this long is closed (it may resume):
+    # two default heartbeat intervals, under the 60 s idle timeouts of common proxies.
+    send_timeout_s: float = 30.0
+    # Merge a lagging reader's consecutive token events (native dialect; see above).
+    coalesce: bool = True
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval_s <= 0:
@@ -60,13 +99,71 @@ class SSEOptions:
             raise ValueError("retry_ms must not be negative")
         if self.max_batch_records < 1:
             raise ValueError("max_batch_records must be at least 1")
+        if not self.send_timeout_s > 0:
+            raise ValueError("send_timeout_s must be positive")
 
 
-def _next_body(reader: Reader, max_records: int) -> bytes | None:
+def set_write_deadline(sock: socket.socket, timeout_s: float) -> bool:
+    """Reset the connection when data stays unacknowledged (or unsent behind a zero
+    window) for ``timeout_s`` (``TCP_USER_TIMEOUT``, RFC 5482; Linux). False where the
+    platform or socket does not support it."""
+    option = getattr(socket, "TCP_USER_TIMEOUT", None)
+    if option is None:
+        return False
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, option, max(1, round(timeout_s * 1000)))
+    except OSError:
+        return False
+    return True
+
+
+def coalesce_tokens(batch: Batch, stream_id: str) -> tuple[bytes, int]:
+    """The native frames of ``batch`` with each run of consecutive ``TextDelta`` events
+    sent as one ``token`` event: their texts joined, the id of the run's last event.
+
+    Returns the bytes and how many events were merged away. A run of one keeps its frame
+    as appended. Resuming from a merged event's id replays exactly what followed the run.
+    """
+    events, frames = batch.events, batch.frames
+    parts: list[bytes] = []
+    run: list[str] = []
+    num_merged = 0
+    first_seq = batch.first_seq
+    for index, event in enumerate(events):
+        if type(event) is TextDelta:
+            run.append(event.text)
+            continue
+        if run:
+            num_merged += _flush_run(parts, run, frames, index - 1, stream_id, first_seq)
+        parts.append(frames[index])
+    if run:
+        num_merged += _flush_run(parts, run, frames, len(events) - 1, stream_id, first_seq)
+    return b"".join(parts), num_merged
+
+
+def _flush_run(
+    parts: list[bytes],
+    run: list[str],
+    frames: Sequence[bytes],
+    last: int,
+    stream_id: str,
+    first_seq: int,
+) -> int:
+    num_merged = len(run) - 1
+    if num_merged:
+        merged = TextDelta("".join(run))
+        parts.append(native.frame(merged, event_id(stream_id, first_seq + last)))
+    else:
+        parts.append(frames[last])
+    run.clear()
+    return num_merged
+
+
+def _next_body(reader: Reader, max_records: int, lagging: bool = False) -> bytes | None:
     """The bytes to write next for ``reader``: ready frames, a refusal, or ``None``.
 
     Sets ``reader.done`` when the body ends the stream (terminal event, resume gap, or a
-    log that expired underneath).
+    log that expired underneath). A ``lagging`` native reader's token runs are coalesced.
     """
     framer = reader.framer
     try:
@@ -84,7 +181,14 @@ def _next_body(reader: Reader, max_records: int) -> bytes | None:
         return None
     if framer is not None:
         return framer.frame(batch)
-    return frames[0] if len(frames) == 1 else b"".join(frames)
+    if len(frames) == 1:
+        return frames[0]
+    if lagging:
+        body, num_merged = coalesce_tokens(batch, reader.stream_id)
+        if num_merged and reader.delivery is not None:
+            reader.delivery.coalesced_events(num_merged)
+        return body
+    return b"".join(frames)
 
 
 class SSEConnection:
@@ -98,10 +202,12 @@ class SSEConnection:
     __slots__ = (
         "_finish",
         "_heartbeat",
+        "_lagging",
         "_last_write",
         "_loop",
         "_options",
         "_paused",
+        "_stall",
         "_watching",
         "_write",
         "closed",
@@ -125,6 +231,8 @@ class SSEConnection:
         self._heartbeat: asyncio.TimerHandle | None = None
         self._last_write = 0.0
         self._paused = False
+        self._lagging = False  # paused since it last caught up with the log: coalesce
+        self._stall: asyncio.TimerHandle | None = None  # the send timeout while paused
         self.closed = False
 
     def start(self) -> None:
@@ -146,8 +254,9 @@ class SSEConnection:
             if reader.interrupted:
                 self._end(clean=True)
                 return
-            body = _next_body(reader, max_records)
+            body = _next_body(reader, max_records, self._lagging)
             if body is None:
+                self._lagging = False  # caught up
                 self._watching = True
                 reader.watch(self)
                 return
@@ -183,13 +292,30 @@ class SSEConnection:
         self._heartbeat = self._loop.call_later(interval_s - idle_s, self._on_heartbeat)
 
     def pause_writing(self) -> None:
-        """The transport's buffer is full: stop reading the log until it drains."""
+        """The transport's buffer is full: stop reading the log until it drains, and close
+        the connection if it does not drain within ``send_timeout_s``."""
+        if self._paused or self.closed:
+            return
         self._paused = True
+        self._lagging = self._options.coalesce
+        self._stall = self._loop.call_later(self._options.send_timeout_s, self._on_stalled)
 
     def resume_writing(self) -> None:
         self._paused = False
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
         if not self.closed:
             self._pump()
+
+    def _on_stalled(self) -> None:
+        self._stall = None
+        if self.closed or not self._paused:
+            return
+        delivery = self.reader.delivery
+        if delivery is not None:
+            delivery.send_timed_out()
+        self._end(clean=False)  # the reader leaves: a non-resumable stream is cancelled
 
     def interrupt(self) -> None:
         """End the response now, on an event boundary (server shutdown, drop)."""
@@ -212,6 +338,9 @@ class SSEConnection:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             self._heartbeat = None
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
         if self._watching:
             self._watching = False
             self.reader.unwatch(self)
@@ -251,49 +380,79 @@ async def send_event_stream(
     extra_headers: Iterable[tuple[bytes, bytes]] = (),
 ) -> None:
     """Stream ``reader``'s records as a plain ASGI SSE response until the end or a disconnect."""
-    loop = asyncio.get_running_loop()
     # Owned by this coroutine and cancelled in ``finally``: it only waits for the peer to go.
     disconnect = asyncio.ensure_future(_until_disconnect(receive))
     wakeup = _Wakeup()
     disconnect.add_done_callback(wakeup.fire)
-    timer: asyncio.TimerHandle | None = None
     try:
-        headers = [*SSE_HEADERS, *extra_headers]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        if reader.framer is None:  # see _RETRY_NATIVE_ONLY
-            retry = encode_retry(options.retry_ms)
-            await send({"type": "http.response.body", "body": retry, "more_body": True})
-        last_write = loop.time()
-        heartbeat_s = options.heartbeat_interval_s
-        while not disconnect.done() and not reader.interrupted:
-            body = _next_body(reader, options.max_batch_records)
-            if body:
-                await send({"type": "http.response.body", "body": body, "more_body": True})
-                last_write = loop.time()
-            if reader.done:
-                break
-            if body is not None:
-                continue
-            idle_s = loop.time() - last_write
-            if idle_s >= heartbeat_s:
-                await send({"type": "http.response.body", "body": _PING, "more_body": True})
-                last_write = loop.time()
-                idle_s = 0.0
-            future: asyncio.Future[None] = loop.create_future()
-            wakeup.future = future
-            reader.watch(future)
-            timer = loop.call_later(heartbeat_s - idle_s, _resolve, future)
-            try:
-                await future
-            finally:
-                timer.cancel()
-                timer = None
-                wakeup.future = None
-                reader.unwatch(future)
-        if not disconnect.done():
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        async with asyncio.timeout(None) as deadline:
+            await _stream_body(send, reader, options, extra_headers, disconnect, wakeup, deadline)
+    except TimeoutError:
+        # A send waited ``send_timeout_s`` for the socket to drain: give up on the client
+        # (it may resume). ASGI cannot abort a response, so return without completing it:
+        # the server closes the connection (uvicorn logs that the response was incomplete).
+        if reader.delivery is not None:
+            reader.delivery.send_timed_out()
     finally:
-        if timer is not None:
-            timer.cancel()
         reader.close()
         disconnect.cancel()
+
+
+async def _stream_body(
+    send: Send,
+    reader: Reader,
+    options: SSEOptions,
+    extra_headers: Iterable[tuple[bytes, bytes]],
+    disconnect: asyncio.Future[None],
+    wakeup: _Wakeup,
+    deadline: asyncio.Timeout,
+) -> None:
+    """The response of :func:`send_event_stream`; every ``send`` runs under ``deadline``."""
+    loop = asyncio.get_running_loop()
+    send_timeout_s = options.send_timeout_s
+
+    async def send_body(body: bytes, more_body: bool = True) -> bool:
+        """Send under the deadline; True when the send had to wait for the socket."""
+        before = loop.time()
+        deadline.reschedule(before + send_timeout_s)
+        await send({"type": "http.response.body", "body": body, "more_body": more_body})
+        deadline.reschedule(None)
+        return loop.time() - before > _SEND_WAITED_S
+
+    headers = [*SSE_HEADERS, *extra_headers]
+    deadline.reschedule(loop.time() + send_timeout_s)
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    deadline.reschedule(None)
+    if reader.framer is None:  # see _RETRY_NATIVE_ONLY
+        await send_body(encode_retry(options.retry_ms))
+    last_write = loop.time()
+    heartbeat_s = options.heartbeat_interval_s
+    lagging = False  # a send had to wait since the reader last caught up: coalesce
+    while not disconnect.done() and not reader.interrupted:
+        body = _next_body(reader, options.max_batch_records, lagging)
+        if body:
+            if await send_body(body) and options.coalesce:
+                lagging = True
+            last_write = loop.time()
+        if reader.done:
+            break
+        if body is not None:
+            continue
+        lagging = False  # caught up
+        idle_s = loop.time() - last_write
+        if idle_s >= heartbeat_s:
+            await send_body(_PING)
+            last_write = loop.time()
+            idle_s = 0.0
+        future: asyncio.Future[None] = loop.create_future()
+        wakeup.future = future
+        reader.watch(future)
+        timer = loop.call_later(heartbeat_s - idle_s, _resolve, future)
+        try:
+            await future
+        finally:
+            timer.cancel()
+            wakeup.future = None
+            reader.unwatch(future)
+    if not disconnect.done():
+        await send_body(b"", more_body=False)

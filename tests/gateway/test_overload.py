@@ -1,0 +1,179 @@
+"""Overload against a real server: past a limit, every request is either served completely
+or refused with 429/503 + Retry-After before any body, and none hangs; clients that leave
+at any point (queued, prefill, decode) leave no engine request or KV block behind."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+
+from sluice.sse import Decoder
+from tests.gateway.limited_server import LimitedServer
+
+NUM_TENANT_STREAMS = 4
+
+
+@pytest.fixture(scope="module")
+def tenant_limited() -> Iterator[LimitedServer]:
+    hub = {"max_streams_per_tenant": NUM_TENANT_STREAMS}
+    with LimitedServer("--no-model", "--grace", "2", hub=hub) as server:
+        server.wait_ready()
+        yield server
+
+
+@pytest.fixture(scope="module")
+def engine_server() -> Iterator[LimitedServer]:
+    """The bundled model with 2 running sequences and 8 waiting: a capacity of 10."""
+    with LimitedServer("--max-running", "2", "--grace", "2") as server:
+        server.wait_ready()
+        yield server
+
+
+def run_all(jobs: list[Callable[[], None]], timeout_s: float = 120.0) -> None:
+    """Run every job in its own thread at once; each must end (no hang) without raising."""
+    errors: list[BaseException] = []
+
+    def run(job: Callable[[], None]) -> None:
+        try:
+            job()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(job,)) for job in jobs]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        assert not thread.is_alive(), "a request hung"
+    if errors:
+        raise errors[0]
+
+
+def assert_refused(response: httpx.Response, statuses: tuple[int, ...]) -> None:
+    """A refusal before any body: the status, ``Retry-After``, an error in JSON."""
+    assert response.status_code in statuses, response.text
+    assert int(response.headers["retry-after"]) >= 1
+    assert response.json()["error"]["message"]
+
+
+def test_tenant_over_its_stream_limit_is_refused_before_any_body(
+    tenant_limited: LimitedServer,
+) -> None:
+    server = tenant_limited
+    words = [f"w{i}" for i in range(10)]
+    outcomes: list[str] = []
+
+    def one() -> None:
+        body = {"prompt": " ".join(words), "interval_ms": 100, "resumable": False}
+        created = httpx.post(f"{server.base_url}/v1/streams", json=body, timeout=30)
+        if created.status_code != 201:
+            assert_refused(created, (429, 503))  # 429 once the gateway maps TenantLimitError
+            outcomes.append("refused")
+            return
+        decoder = Decoder()
+        url = f"{server.base_url}{created.json()['events_url']}"
+        with httpx.stream("GET", url, timeout=30) as response:
+            events = [e for piece in response.iter_raw() for e in decoder.feed(piece)]
+        text = "".join(json.loads(e.data)["text"] for e in events if e.event == "token")
+        assert text.split() == words
+        assert events[-1].event == "done"
+        outcomes.append("served")
+
+    run_all([one] * (3 * NUM_TENANT_STREAMS))
+    assert outcomes.count("served") >= 1
+    assert outcomes.count("refused") >= 1
+    assert len(outcomes) == 3 * NUM_TENANT_STREAMS
+    metrics = httpx.get(f"{server.base_url}/metrics").text
+    assert 'sluice_admission_refusals_total{reason="tenant_limit"}' in metrics
+
+
+def chat(server: LimitedServer, max_tokens: int) -> tuple[str, dict[str, object]]:
+    body = {
+        "messages": [{"role": "user", "content": "What does socket.connect do?"}],
+        "max_tokens": max_tokens,
+        "stream": True,
+    }
+    return f"{server.base_url}/v1/chat/completions", body
+
+
+def test_three_times_the_engine_capacity_is_served_or_refused_with_retry_after(
+    engine_server: LimitedServer,
+) -> None:
+    outcomes: list[str] = []
+
+    def one() -> None:
+        url, body = chat(engine_server, 48)
+        with httpx.stream("POST", url, json=body, timeout=60) as response:
+            if response.status_code != 200:
+                response.read()
+                assert_refused(response, (503,))
+                outcomes.append("refused")
+                return
+            data = [e.data for piece in response.iter_raw() for e in Decoder().feed(piece)]
+        text = "".join(data)
+        assert data[-1] == "[DONE]", text[-200:]
+        assert '"finish_reason":"length"' in text or '"finish_reason":"stop"' in text
+        outcomes.append("served")
+
+    run_all([one] * 30)
+    assert len(outcomes) == 30
+    assert outcomes.count("served") >= 10  # the capacity at least, and every one whole
+
+
+def engine_stats(server: LimitedServer) -> dict[str, int]:
+    engines: dict[str, dict[str, int]] = httpx.get(f"{server.base_url}/readyz").json()["engines"]
+    (stats,) = engines.values()
+    return stats
+
+
+def test_clients_leaving_at_random_points_leave_no_engine_request_or_block(
+    engine_server: LimitedServer,
+) -> None:
+    initial = engine_stats(engine_server)
+    rng = random.Random(5)
+    url, body = chat(engine_server, 64)
+    raw = json.dumps(body).encode()
+
+    def leave_while_queued() -> None:
+        """Send the request and hang up before the response starts."""
+        with socket.create_connection(("127.0.0.1", engine_server.port)) as sock:
+            head = (
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n"
+            )
+            sock.sendall(head.encode() + raw)
+
+    def leave_after(num_pieces: int) -> Callable[[], None]:
+        def job() -> None:
+            with httpx.stream("POST", url, json=body, timeout=60) as response:
+                for index, _ in enumerate(response.iter_raw()):
+                    if index >= num_pieces:
+                        break
+
+        return job
+
+    jobs: list[Callable[[], None]] = []
+    for _ in range(60):
+        choice = rng.random()
+        if choice < 0.3:
+            jobs.append(leave_while_queued)
+        else:
+            jobs.append(leave_after(rng.randrange(0, 12)))
+    for start in range(0, len(jobs), 20):
+        run_all(jobs[start : start + 20])
+    deadline = time.monotonic() + 30
+    while (stats := engine_stats(engine_server)) != initial | {
+        k: v for k, v in stats.items() if k not in ("running", "waiting", "kv_blocks_used")
+    }:
+        assert time.monotonic() < deadline, (stats, initial)
+        time.sleep(0.05)  # polling an observable condition with a deadline
+    assert stats["running"] == stats["waiting"] == 0
+    assert stats["kv_blocks_used"] == initial["kv_blocks_used"]
