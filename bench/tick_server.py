@@ -30,6 +30,7 @@ import sluice.cli
 from sluice.backends.base import Backend, Delta, GenerationRequest
 from sluice.events import FinishReason, TextDelta, Usage
 from sluice.gateway.app import SluiceApp, create_app
+from sluice.gateway.auth import Auth
 from sluice.gateway.settings import Settings
 
 __all__ = ["TickBackend", "TickGeneration", "main"]
@@ -103,11 +104,12 @@ def create_tick_app(
     settings: Settings | None = None,
     backends: Mapping[str, Backend] | None = None,
     resources: Sequence[contextlib.AbstractAsyncContextManager[object]] = (),
+    auth: Auth | None = None,
 ) -> SluiceApp:
     """``create_app`` with the ``words`` model served by :class:`TickBackend` (run with
     ``--no-model``: other backends are served beside it)."""
     served: dict[str, Backend] = {**(backends or {}), "words": TickBackend("words")}
-    return create_app(settings, served, resources)
+    return create_app(settings, served, resources, auth)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -22,10 +22,14 @@ __all__ = ["ServerProcess", "wait_for_state"]
 class ServerProcess:
     """``sluice serve`` with the given options, on a fresh loopback port."""
 
-    def __init__(self, *options: str) -> None:
+    def __init__(self, *options: str, send_buffer_bytes: int | None = None) -> None:
         self.options = options
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if send_buffer_bytes is not None:
+            # Accepted sockets inherit it (and lose send-buffer autotuning, which on
+            # loopback grows to megabytes): a stuck client then backs up the server soon.
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(1024)
         self.port: int = self.sock.getsockname()[1]
@@ -64,6 +68,15 @@ class ServerProcess:
                 process.kill()
                 process.wait(timeout=5)
         return process.returncode
+
+    def rss_bytes(self) -> int:
+        """The server's resident memory now (from /proc)."""
+        assert self.process is not None
+        with open(f"/proc/{self.process.pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS")
 
     def wait_ready(self, timeout_s: float = 120.0) -> ServerProcess:
         """Block on one ``GET /readyz``: it is answered once the server has started (loading

@@ -176,6 +176,47 @@ def build_parser() -> argparse.ArgumentParser:
         help="streams held at once (live or retained); more are refused with 503",
     )
     serve.add_argument(
+        "--max-streams-per-tenant",
+        type=int,
+        default=defaults.max_streams_per_tenant,
+        help="live streams one tenant may hold; more are refused with 429",
+    )
+    serve.add_argument(
+        "--max-tokens-per-stream",
+        type=int,
+        default=defaults.max_tokens_per_stream,
+        help="token events one stream may produce (larger max_tokens are clamped)",
+    )
+    serve.add_argument(
+        "--max-stream-duration",
+        type=float,
+        default=defaults.max_stream_s,
+        metavar="SECONDS",
+        help="creation to end of one stream; a longer one ends with done: length",
+    )
+    serve.add_argument(
+        "--send-timeout",
+        type=float,
+        default=defaults.send_timeout_s,
+        metavar="SECONDS",
+        help="an SSE connection whose socket takes nothing for this long is closed (it may "
+        "resume); also the kernel's deadline for unacknowledged data (dead peers)",
+    )
+    serve.add_argument(
+        "--coalesce",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.coalesce,
+        help="send a lagging native reader its waiting tokens as one event",
+    )
+    serve.add_argument(
+        "--ttft-slo",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="refuse (503 + Retry-After) an engine request whose predicted time to first "
+        "token (queued prompt tokens / measured prefill rate) is over this (default: off)",
+    )
+    serve.add_argument(
         "--max-log-events",
         type=int,
         default=defaults.max_log_records,
@@ -283,6 +324,11 @@ def _settings(args: argparse.Namespace) -> Settings:
         max_prompt_chars=args.max_prompt_chars,
         max_log_records=args.max_log_events,
         cors_allow_origins=tuple(args.cors_origin or ("*",)),
+        max_streams_per_tenant=args.max_streams_per_tenant,
+        max_tokens_per_stream=args.max_tokens_per_stream,
+        max_stream_s=args.max_stream_duration,
+        send_timeout_s=args.send_timeout,
+        coalesce=args.coalesce,
     )
 
 
@@ -363,6 +409,7 @@ def _embedded_engine(args: argparse.Namespace) -> tuple[str, Backend, AsyncEngin
         default_max_tokens=128,
         chat_template=ChatTemplate.for_checkpoint(args.model),
         version=_weights_version(args.model),
+        ttft_slo_s=args.ttft_slo,
     )
     return checkpoint.name, backend, driver
 

@@ -221,6 +221,7 @@ def test_unknown_request_abort_returns_false(model: GPT2LMHeadModel) -> None:
     assert_no_leak(engine)
 
 
+@pytest.mark.timeout(300)  # 1,000 operations, each step a real forward pass
 def test_random_add_abort_step_operations_leak_no_block(model: GPT2LMHeadModel) -> None:
     rng = random.Random(7)
     engine = make_engine(

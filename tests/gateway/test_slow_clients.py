@@ -14,7 +14,6 @@ import orjson
 import pytest
 
 from sluice.sse import Decoder, Event
-from tests.gateway.limited_server import LimitedServer
 from tests.rawhttp import open_get
 from tests.server import ServerProcess
 
@@ -22,23 +21,23 @@ SEND_TIMEOUT_S = 1.0
 
 
 @pytest.fixture(scope="module", params=["native-sse", "asgi-sse"])
-def limited(request: pytest.FixtureRequest) -> Iterator[LimitedServer]:
+def limited(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
     options = ["--no-model", "--heartbeat-interval", "0.3", "--grace", "2"]
     if request.param == "asgi-sse":
         options.append("--no-native-sse")
-    sse = {"send_timeout_s": SEND_TIMEOUT_S}
-    with LimitedServer(*options, sse=sse, send_buffer_bytes=32 * 1024) as server:
+    options += ["--send-timeout", str(SEND_TIMEOUT_S)]
+    with ServerProcess(*options, send_buffer_bytes=32 * 1024) as server:
         server.wait_ready()
         yield server
 
 
 @pytest.fixture(scope="module", params=["native-sse", "asgi-sse"])
-def small_buffers(request: pytest.FixtureRequest) -> Iterator[LimitedServer]:
+def small_buffers(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
     """Default send timeout, and send buffers small enough that a pause shows at once."""
     options = ["--no-model", "--heartbeat-interval", "0.3", "--grace", "2"]
     if request.param == "asgi-sse":
         options.append("--no-native-sse")
-    with LimitedServer(*options, send_buffer_bytes=32 * 1024) as server:
+    with ServerProcess(*options, send_buffer_bytes=32 * 1024) as server:
         server.wait_ready()
         yield server
 
@@ -76,7 +75,7 @@ def seq_of(event: Event) -> int:
 
 
 def test_stuck_reader_is_disconnected_after_the_send_timeout_without_slowing_others(
-    limited: LimitedServer,
+    limited: ServerProcess,
 ) -> None:
     """A client that never reads (tiny receive window) fills its buffers; after the send
     timeout it is dropped, its non-resumable stream is cancelled, a ticking stream read
@@ -121,7 +120,7 @@ def test_stuck_reader_is_disconnected_after_the_send_timeout_without_slowing_oth
 
 
 def test_lagging_reader_gets_coalesced_tokens_whose_ids_resume_exactly(
-    small_buffers: LimitedServer,
+    small_buffers: ServerProcess,
 ) -> None:
     """A reader that reads nothing until the stream ends is behind by thousands of tokens:
     it gets them in fewer, larger events, and a resume from any of their ids is exact."""

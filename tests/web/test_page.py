@@ -12,12 +12,13 @@ stream must satisfy.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, Page, sync_playwright
+from playwright.sync_api import Browser, Page, Route, sync_playwright
 
 from tests.server import ServerProcess
 
@@ -228,9 +229,21 @@ def test_page_offers_the_servers_models_with_the_default_model_selected(page: Pa
     assert page.input_value("#temperature") == "0.8"
 
 
+def _past_end_of_text(page: Page) -> None:
+    """Make the page's stream requests run all their tokens (``ignore_eos``), so a test
+    does not depend on where the bundled model happens to end a text."""
+
+    def add_ignore_eos(route: Route) -> None:
+        body = json.loads(route.request.post_data or "{}")
+        route.continue_(post_data=json.dumps({**body, "ignore_eos": True}))
+
+    page.route("**/v1/streams", add_ignore_eos)
+
+
 def test_page_streams_the_default_models_tokens_until_max_tokens(
     page: Page, server: ServerProcess
 ) -> None:
+    _past_end_of_text(page)
     page.wait_for_function("document.getElementById('model').options.length > 0")
     assert page.input_value("#model") == DEFAULT_MODEL
     _start_model(page, MODEL_PROMPT, 24, 0)
@@ -262,6 +275,7 @@ def test_page_streams_the_default_models_tokens_until_max_tokens(
 
 
 def test_page_stop_cancels_a_model_stream_midway(page: Page, server: ServerProcess) -> None:
+    _past_end_of_text(page)
     page.wait_for_function("document.getElementById('model').options.length > 0")
     _start_model(page, MODEL_PROMPT, 200, 0.8)
 

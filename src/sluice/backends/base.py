@@ -50,6 +50,9 @@ class GenerationRequest:
     top_k: int | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # Generate all max_tokens even past an end-of-sequence token (benchmarks, tests; vLLM
+    # accepts the same extension).
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True, slots=True)

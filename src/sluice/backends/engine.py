@@ -308,6 +308,8 @@ def _request_params(
             changes[name] = value
     if request.stop:
         changes["stop"] = request.stop
+    if request.ignore_eos:
+        changes["ignore_eos"] = True
     return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
 
 

@@ -360,6 +360,8 @@ def _request_body(request: GenerationRequest, upstream_model: str) -> bytes:
             body[name] = value  # top_k is not OpenAI's; vLLM and llama.cpp accept it
     if request.stop:
         body["stop"] = list(request.stop)
+    if request.ignore_eos:
+        body["ignore_eos"] = True  # vLLM's extension (and ours); sent only when asked for
     return orjson.dumps(body)
 
 

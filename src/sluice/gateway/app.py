@@ -56,6 +56,9 @@ class SluiceApp:
             default_grace_s=settings.default_grace_s,
             retention_s=settings.retention_s,
             max_streams=settings.max_streams,
+            max_streams_per_tenant=settings.max_streams_per_tenant,
+            max_tokens_per_stream=settings.max_tokens_per_stream,
+            max_stream_s=settings.max_stream_s,
         )
         versions = {name: str(getattr(b, "version", "")) for name, b in backends.items()}
         self.metrics = Metrics(versions)

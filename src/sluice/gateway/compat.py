@@ -34,6 +34,7 @@ from sluice.errors import (
     CapacityError,
     ResumeGapError,
     SluiceError,
+    TenantLimitError,
     UnknownModelError,
 )
 from sluice.events import Error, NeutralEvent
@@ -49,6 +50,7 @@ from sluice.gateway.errors import (
     WWW_AUTHENTICATE,
     AuthenticationError,
     PayloadTooLargeError,
+    retry_after,
 )
 from sluice.gateway.requests import read_json_body
 from sluice.gateway.settings import Settings
@@ -178,6 +180,8 @@ def _status_for(exc: SluiceError) -> int:
         return 413
     if isinstance(exc, BadRequestError):
         return 400
+    if isinstance(exc, TenantLimitError):
+        return 429
     if isinstance(exc, CapacityError):
         return 503
     return 500
@@ -255,7 +259,7 @@ class CompatAPI:
         first = await self._hub.first_event(stream.id)
         if isinstance(first, Error):
             self._metrics.refusals.labels(first.type).inc()
-            return self._refused(kind, first)
+            return self._refused(kind, first, stream.refusal)
         reader = self._hub.open_reader(stream.id, 0)
         if not parsed.stream:
             return await self._whole(request, kind, dialect, stream, reader, parsed)
@@ -309,7 +313,7 @@ class CompatAPI:
         message = str(exc) if status < 500 else "internal server error"
         headers = {}
         if isinstance(exc, CapacityError):
-            headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+            headers["Retry-After"] = retry_after(exc.retry_after_s)
         if isinstance(exc, AuthenticationError):
             headers["WWW-Authenticate"] = WWW_AUTHENTICATE
         code = "model_not_found" if isinstance(exc, UnknownModelError) else None
@@ -318,9 +322,11 @@ class CompatAPI:
         param = exc.param if isinstance(exc, InvalidParameterError) else None
         return _error_response(kind, status, message, code=code, param=param, headers=headers)
 
-    def _refused(self, kind: Kind, error: Error) -> Response:
+    def _refused(self, kind: Kind, error: Error, refusal: CapacityError | None) -> Response:
         status = REFUSAL_STATUS.get(error.type, 500)
-        headers = {"Retry-After": "1"} if status == 503 else {}
+        headers = {}
+        if status == 503:
+            headers["Retry-After"] = retry_after(refusal.retry_after_s if refusal else 1.0)
         return _error_response(kind, status, error.message, code=error.type, headers=headers)
 
 

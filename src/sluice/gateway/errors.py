@@ -14,6 +14,7 @@ from sluice.errors import (
     CapacityError,
     SluiceError,
     StreamNotFoundError,
+    TenantLimitError,
     UnknownModelError,
 )
 from sluice.events import Error
@@ -28,6 +29,7 @@ __all__ = [
     "error_response",
     "refusal_response",
     "response_for",
+    "retry_after",
 ]
 
 # The error event of a stream whose backend refused the work in ``Generation.start()``, as
@@ -92,14 +94,25 @@ def response_for(exc: SluiceError) -> Response:
         return error_response(400, "bad_event_id", str(exc))
     if isinstance(exc, BadRequestError):
         return error_response(400, "invalid_request", str(exc))
+    if isinstance(exc, TenantLimitError):
+        headers = {"Retry-After": retry_after(exc.retry_after_s)}
+        return error_response(429, "rate_limited", str(exc), headers=headers)
     if isinstance(exc, CapacityError):
-        retry_after = str(max(1, round(exc.retry_after_s)))
-        return error_response(503, "overloaded", str(exc), headers={"Retry-After": retry_after})
+        headers = {"Retry-After": retry_after(exc.retry_after_s)}
+        return error_response(503, "overloaded", str(exc), headers=headers)
     return error_response(500, "internal_error", "internal server error")
 
 
-def refusal_response(error: Error) -> Response:
-    """The answer to a create whose backend refused the work before it started."""
+def retry_after(seconds: float) -> str:
+    """A ``Retry-After`` value: whole seconds, at least 1."""
+    return str(max(1, round(seconds)))
+
+
+def refusal_response(error: Error, refusal: CapacityError | None) -> Response:
+    """The answer to a create whose backend refused the work before it started
+    (``refusal`` is the backend's own capacity error, when that was the cause)."""
     status = REFUSAL_STATUS.get(error.type, 500)
-    headers = {"Retry-After": "1"} if status == 503 else None
+    headers = None
+    if status == 503:
+        headers = {"Retry-After": retry_after(refusal.retry_after_s if refusal else 1.0)}
     return error_response(status, error.type, error.message, headers=headers)

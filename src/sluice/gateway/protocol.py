@@ -37,7 +37,7 @@ from sluice.gateway.limits import HEADER_LINE_OVERHEAD, header_bytes_error, url_
 from sluice.gateway.settings import Settings
 from sluice.gateway.streaming import EventStreams, refusal
 from sluice.transports.asgi import Scope
-from sluice.transports.sse import SSE_HEADERS, SSEConnection
+from sluice.transports.sse import SSE_HEADERS, SSEConnection, set_write_deadline
 
 __all__ = ["SluiceHttpProtocol"]
 
@@ -270,6 +270,15 @@ class SluiceHttpProtocol(HttpToolsProtocol):
         self._write_head(200, headers, chunked=self.sse_chunked)
         write = self._write_chunk if self.sse_chunked else self.transport.write
         self.sse = SSEConnection(reader, streams.options, write=write, finish=self._finish_sse)
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            # A peer gone without a FIN never fills the buffer (heartbeats are small), so
+            # the kernel gives up on its unacknowledged data: after two heartbeats, or the
+            # send timeout if longer, plus 5 s so a live but stuck peer (zero window) meets
+            # the send timeout (and its metric) first. Defaults: 35 s.
+            options = streams.options
+            deadline_s = max(2 * options.heartbeat_interval_s, options.send_timeout_s) + 5.0
+            set_write_deadline(sock, deadline_s)
         # The request is fully handled: drop its scope, headers and URL for the life of a
         # possibly hours-long stream (the next request on this connection makes new ones).
         self.scope = None  # type: ignore[assignment]
@@ -310,6 +319,10 @@ class SluiceHttpProtocol(HttpToolsProtocol):
         self.sse = None
         if self.transport.is_closing():
             self.sse_request = False
+            return
+        if not clean:  # a stuck or interrupted peer: drop what it did not take, and the socket
+            self.sse_request = False
+            self.transport.abort()
             return
         if not clean or not self.sse_chunked:
             self.sse_keep_alive = False

@@ -42,6 +42,7 @@ class CreateStreamBody(BaseModel):
     stop: Annotated[
         list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=16)
     ] = []
+    ignore_eos: bool = False
 
 
 def _explain(exc: ValidationError) -> str:
@@ -131,6 +132,7 @@ def generation_request(body: CreateStreamBody) -> GenerationRequest:
         top_k=body.top_k,
         seed=body.seed,
         stop=tuple(body.stop),
+        ignore_eos=body.ignore_eos,
     )
 
 

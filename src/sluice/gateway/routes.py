@@ -65,7 +65,7 @@ class NativeApi:
             return response_for(exc)
         if isinstance(first, Error):  # the backend refused it: answer with a status, not 201
             self._metrics.refusals.labels(first.type).inc()
-            return refusal_response(first)
+            return refusal_response(first, stream.refusal)
         base = f"/v1/streams/{stream.id}"
         token = self._auth.tokens.mint(stream.id)
         payload = {

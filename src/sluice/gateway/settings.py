@@ -17,10 +17,15 @@ class Settings:
     heartbeat_interval_s: float = 15.0
     retry_ms: int = 1000
     max_batch_records: int = 512
+    send_timeout_s: float = 30.0
+    coalesce: bool = True
     # Stream lifecycle
     default_grace_s: float = 15.0
     retention_s: float = 300.0
     max_streams: int = 100_000
+    max_streams_per_tenant: int = 1_000
+    max_tokens_per_stream: int = 100_000
+    max_stream_s: float = 3600.0
     max_log_records: int = 100_000
     max_log_bytes: int = 16 * 1024 * 1024
     # Input bounds
@@ -41,6 +46,10 @@ class Settings:
             "heartbeat_interval_s": self.heartbeat_interval_s,
             "max_batch_records": self.max_batch_records,
             "max_streams": self.max_streams,
+            "max_streams_per_tenant": self.max_streams_per_tenant,
+            "max_tokens_per_stream": self.max_tokens_per_stream,
+            "max_stream_s": self.max_stream_s,
+            "send_timeout_s": self.send_timeout_s,
             "max_log_records": self.max_log_records,
             "max_log_bytes": self.max_log_bytes,
             "max_body_bytes": self.max_body_bytes,

@@ -56,6 +56,8 @@ class EventStreams:
             heartbeat_interval_s=settings.heartbeat_interval_s,
             retry_ms=settings.retry_ms,
             max_batch_records=settings.max_batch_records,
+            send_timeout_s=settings.send_timeout_s,
+            coalesce=settings.coalesce,
         )
 
     @staticmethod
