@@ -1,0 +1,98 @@
+"""The saturation curve of ``sluice serve`` with the bundled model, admission on and off.
+
+Two fresh servers, the same except for admission: "on" runs with ``--ttft-slo SLO`` (a
+request whose predicted time to first token is over the SLO is refused with 503 +
+``Retry-After`` before its response starts), "off" queues everything the engine's waiting
+queue holds. ``sluice bench`` (closed loop, OpenAI Completions, streaming) loads each at
+every concurrency level for ``--duration`` seconds, and the table lists, per level: TTFT
+p50/p99 of accepted requests, output tokens/s, and how many were served and refused.
+
+The target (issue 5): with admission on, TTFT p99 of accepted requests stays under the SLO
+at every load; with it off, the collapse shows.
+
+    .venv/bin/python bench/saturation.py                       # ~5 min
+    .venv/bin/python bench/saturation.py --levels 1,8,64 --duration 5   # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from peers import HOST, ServerProcess, free_port
+
+
+def serve_command(port: int, *options: str) -> list[str]:
+    return [
+        sys.executable, "-m", "sluice.cli", "serve", "--host", HOST, "--port", str(port),
+        "--log-level", "warning", *options,
+    ]  # fmt: skip
+
+
+def load(port: int, args: argparse.Namespace, out: Path) -> list[dict[str, object]]:
+    command = [
+        sys.executable, "-m", "sluice.cli", "bench", "--url", f"http://{HOST}:{port}",
+        "--api", "openai-completions", "--concurrency", args.levels,
+        "--duration", str(args.duration), "--max-tokens", str(args.max_tokens),
+        "--prompt-tokens", str(args.prompt_tokens), "--temperature", "0",
+        "--no-progress", "--json", str(out),
+    ]  # fmt: skip
+    subprocess.run(command, check=False, stdout=subprocess.DEVNULL)
+    levels: list[dict[str, object]] = json.loads(out.read_text())["levels"]
+    return levels
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--levels", default="1,4,16,64,128,256", help="concurrency levels")
+    parser.add_argument("--duration", type=float, default=15.0, help="seconds per level")
+    parser.add_argument("--slo", type=float, default=1.0, help="TTFT SLO with admission on")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+
+    logs = Path(tempfile.mkdtemp(prefix="saturation-"))
+    results: dict[str, list[dict[str, object]]] = {}
+    for name, options in (("on", ["--ttft-slo", str(args.slo)]), ("off", [])):
+        port = free_port()
+        server = ServerProcess(
+            name, serve_command(port, *options), port, "/readyz", logs / f"{name}.log"
+        )
+        with server.start(ready_timeout=60):
+            results[name] = load(port, args, logs / f"{name}.json")
+        print(f"admission {name}: done", flush=True)
+
+    def ms(value: object) -> str:
+        return "-" if value is None else f"{float(str(value)):.0f}"
+
+    print(f"\nTTFT SLO with admission on: {args.slo:g} s; {args.duration:g} s per level\n")
+    print(
+        "| concurrency | admission | TTFT p50 (ms) | TTFT p99 (ms) | output tok/s | "
+        "served | refused | errors | p99 within SLO |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    missed = 0
+    for on, off in zip(results["on"], results["off"], strict=True):
+        for name, level in (("on", on), ("off", off)):
+            ttft = level["ttft_ms"]
+            assert isinstance(ttft, dict)
+            p99 = ttft["p99"]
+            within = p99 is not None and float(p99) <= args.slo * 1000
+            if name == "on" and not within and level["num_ok"]:
+                missed += 1
+            print(
+                f"| {level['level']:g} | {name} | {ms(ttft['p50'])} | {ms(p99)} | "
+                f"{float(str(level['output_tokens_per_s'])):.0f} | {level['num_ok']} | "
+                f"{level['num_refused']} | {level['num_errors']} | "
+                f"{'yes' if within else 'no'} |"
+            )
+    print(f"\nadmission on: TTFT p99 over the SLO at {missed} level(s); logs in {logs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
