@@ -26,6 +26,7 @@ from sluice.gateway.auth import Auth
 from sluice.gateway.compat import CompatAPI
 from sluice.gateway.errors import error_response, response_for
 from sluice.gateway.limits import check_head
+from sluice.gateway.openapi import openapi_endpoint
 from sluice.gateway.routes import NativeApi
 from sluice.gateway.settings import Settings
 from sluice.gateway.streaming import EventStreams
@@ -73,6 +74,7 @@ class SluiceApp:
                 Route("/healthz", api.healthz, methods=["GET"]),
                 Route("/readyz", api.readyz, methods=["GET"]),
                 Route("/metrics", api.metrics, methods=["GET"]),
+                Route("/openapi.json", openapi_endpoint(settings), methods=["GET"]),
                 Route("/v1/models", api.models, methods=["GET"]),
                 Route("/v1/streams", api.create_stream, methods=["POST"]),
                 Route("/v1/streams/{stream_id}", api.get_stream, methods=["GET"]),

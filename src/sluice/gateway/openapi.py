@@ -1,0 +1,525 @@
+"""``GET /openapi.json``: an OpenAPI 3.1 description of the HTTP API.
+
+Request bodies are the JSON schemas of the pydantic models that parse them (so the
+description cannot drift from what is accepted), with the server's own bounds from its
+:class:`~sluice.gateway.settings.Settings`; responses list every status a route can answer
+before its body starts, in the shape that route answers it. A ``text/event-stream`` body's
+schema describes one event as parsed (``event``, ``data``, ``id``, ``retry``), the
+convention OpenAPI 3.2 names ``itemSchema``; what each event's data holds is in the README.
+
+The description is built per request from the models: nothing happens at import time, and
+it needs no key (like ``/healthz``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from sluice import __version__
+from sluice.gateway.auth import RESUME_TOKEN_HEADER, TOKEN_PARAM
+from sluice.gateway.compat_requests import _ChatBody, _CompletionBody, _MessagesBody
+from sluice.gateway.requests import CreateStreamBody
+from sluice.gateway.settings import Settings
+from sluice.streams.ids import MAX_EVENT_ID_CHARS
+from sluice.streams.state import StreamState
+
+__all__ = ["openapi_document", "openapi_endpoint"]
+
+JSON = dict[str, object]
+
+_REF = "#/components/schemas/{model}"
+# Public names for the request models (the compatible ones are private classes).
+_BODIES: dict[str, type[BaseModel]] = {
+    "CreateStreamRequest": CreateStreamBody,
+    "ChatCompletionRequest": _ChatBody,
+    "CompletionRequest": _CompletionBody,
+    "MessagesRequest": _MessagesBody,
+}
+_SSE = "text/event-stream"
+_JSON = "application/json"
+
+
+def _security(*, stream: bool) -> list[JSON]:
+    """Who may call: a key, a resume token (on one stream), or anyone in anonymous mode."""
+    schemes = ["bearerAuth", "apiKeyHeader"]
+    if stream:
+        schemes += ["resumeTokenQuery", "resumeTokenHeader"]
+    requirements: list[JSON] = [{scheme: []} for scheme in schemes]
+    return [*requirements, {}]
+
+
+def _ref(name: str) -> JSON:
+    return {"$ref": _REF.format(model=name)}
+
+
+def _content(schema: JSON, *media_types: str) -> JSON:
+    return {media_type: {"schema": schema} for media_type in media_types or (_JSON,)}
+
+
+def _header(description: str, *, required: bool = False) -> JSON:
+    return {"description": description, "required": required, "schema": {"type": "string"}}
+
+
+_RETRY_AFTER = _header("seconds to wait before retrying")
+
+
+def _error(description: str, schema: str, *, headers: JSON | None = None) -> JSON:
+    response: JSON = {"description": description, "content": _content(_ref(schema))}
+    if headers:
+        response["headers"] = headers
+    return response
+
+
+def _errors(schema: str, statuses: Iterable[int]) -> dict[str, JSON]:
+    """The error responses of a route, in ``schema``'s shape.
+
+    414 and 431 are answered before routing, so always in the native shape.
+    """
+    descriptions = {
+        400: (
+            "bad request: malformed JSON, a missing or wrong-typed field, a value out of"
+            " range, a malformed stream id or Last-Event-ID"
+        ),
+        401: "missing or wrong API key",
+        404: "unknown stream (or another tenant's, or a forged or expired token) or model",
+        413: "request body over 1 MiB",
+        414: "request target over 8 KiB",
+        429: "the tenant holds its maximum number of streams",
+        431: "request header lines over 16 KiB in all",
+        502: "the backend failed before the stream started",
+        503: "the server or the engine's queue is full, or the server is draining",
+    }
+    responses: dict[str, JSON] = {}
+    for status in statuses:
+        headers: JSON | None = None
+        if status == 401:
+            headers = {"WWW-Authenticate": _header("how to authenticate", required=True)}
+        elif status in (429, 503):
+            headers = {"Retry-After": _RETRY_AFTER}
+        shape = "Error" if status in (414, 431) else schema
+        responses[str(status)] = _error(descriptions[status], shape, headers=headers)
+    return responses
+
+
+def _param(where: str, name: str, schema: JSON, description: str = "") -> JSON:
+    """A parameter; only path parameters are required (and ``text`` of the demo)."""
+    required = where == "path" or name == "text"
+    parameter: JSON = {"name": name, "in": where, "required": required, "schema": schema}
+    if description:
+        parameter["description"] = description
+    return parameter
+
+
+_STREAM_ID_PATTERN = "str_[0-9A-Za-z]{22}"
+# Empty is "no id" (what EventSource sends first); frame ids `.<k>` are the dialects'.
+_EVENT_ID_PATTERN = rf"^({_STREAM_ID_PATTERN}:(0|[1-9][0-9]{{0,17}})(\.[1-9][0-9]{{0,3}})?)?$"
+
+
+def _stream_parameters() -> list[JSON]:
+    """The stream a request names, and the resume token that may stand in for a key."""
+    token = "the stream's resume token"
+    return [
+        _param("path", "stream_id", {"type": "string", "pattern": f"^{_STREAM_ID_PATTERN}$"}),
+        _param("query", TOKEN_PARAM, {"type": "string"}, f"{token} (what EventSource can send)"),
+        _param("header", RESUME_TOKEN_HEADER, {"type": "string"}, token),
+    ]
+
+
+def _last_event_id() -> list[JSON]:
+    description = "resume after this event, `<stream_id>:<n>` (the header wins)"
+    schema: JSON = {"type": "string", "maxLength": MAX_EVENT_ID_CHARS, "pattern": _EVENT_ID_PATTERN}
+    return [
+        _param("header", "Last-Event-ID", schema, description),
+        _param("query", "last_event_id", schema, description),
+    ]
+
+
+def _operation(
+    operation_id: str,
+    summary: str,
+    responses: dict[str, JSON],
+    *,
+    security: list[JSON] | None = None,
+    parameters: list[JSON] | None = None,
+    body: str | None = None,
+) -> JSON:
+    operation: JSON = {"operationId": operation_id, "summary": summary, "responses": responses}
+    operation["security"] = security if security is not None else []
+    if parameters:
+        operation["parameters"] = parameters
+    if body is not None:
+        operation["requestBody"] = {"required": True, "content": _content(_ref(body))}
+    return operation
+
+
+def _ok(description: str, schema: JSON, *media_types: str) -> dict[str, JSON]:
+    return {"200": {"description": description, "content": _content(schema, *media_types)}}
+
+
+def _native_paths(settings: Settings) -> dict[str, JSON]:
+    created: JSON = {
+        "description": "the stream was created",
+        "headers": {"Location": _header("the stream's URL", required=True)},
+        "content": _content(_ref("CreatedStream")),
+    }
+    on_stream = _stream_parameters()
+    interval: JSON = {"type": "number", "minimum": 0, "maximum": settings.max_interval_ms}
+    max_tokens: JSON = {"type": "integer", "minimum": 1, "maximum": settings.max_tokens_limit}
+    head = (400, 401, 404, 414, 431)
+    sse = _ref("NativeEvent")
+    return {
+        "/v1/streams": {
+            "post": _operation(
+                "createStream",
+                "Start a stream",
+                {"201": created, **_errors("Error", (*head, 413, 429, 502, 503))},
+                security=_security(stream=False),
+                body="CreateStreamRequest",
+            )
+        },
+        "/v1/streams/{stream_id}": {
+            "get": _operation(
+                "getStream",
+                "Describe a stream",
+                {**_ok("the stream", _ref("Stream")), **_errors("Error", head)},
+                security=_security(stream=True),
+                parameters=on_stream,
+            )
+        },
+        "/v1/streams/{stream_id}/events": {
+            "get": _operation(
+                "readStream",
+                "Read a stream's events (SSE), replaying after Last-Event-ID",
+                {
+                    **_ok("the events, then live ones", sse, _SSE),
+                    "204": {"description": "the stream is over: nothing left to send"},
+                    **_errors("Error", head),
+                },
+                security=_security(stream=True),
+                parameters=[*on_stream, *_last_event_id()],
+            )
+        },
+        "/v1/streams/{stream_id}/cancel": {
+            "post": _operation(
+                "cancelStream",
+                "Cancel a stream",
+                {
+                    "202": {"description": "cancelling", "content": _content(_ref("Stream"))},
+                    **_errors("Error", head),
+                },
+                security=_security(stream=True),
+                parameters=on_stream,
+            )
+        },
+        "/v1/streams/{stream_id}/drop": {
+            "post": _operation(
+                "dropConnections",
+                "Close every connection reading a stream (its clients resume)",
+                {**_ok("dropped", _ref("Dropped")), **_errors("Error", head)},
+                security=_security(stream=True),
+                parameters=on_stream,
+            )
+        },
+        "/v1/demo/words": {
+            "get": _operation(
+                "demoWords",
+                "Start a resumable `words` stream and read it (SSE)",
+                {
+                    **_ok("the events (or only a retry hint when full)", sse, _SSE),
+                    "204": {"description": "the resumed stream is over"},
+                    **_errors("Error", (*head, 429)),
+                },
+                security=_security(stream=True),
+                parameters=[
+                    _param("query", "text", {"type": "string"}, "the words to stream"),
+                    _param("query", "interval_ms", interval, "the pace (default 50)"),
+                    _param("query", "max_tokens", max_tokens),
+                    *_last_event_id(),
+                ],
+            )
+        },
+        "/v1/models": {
+            "get": _operation(
+                "listModels",
+                "The served models, the default first",
+                {**_ok("the models", _ref("ModelList")), **_errors("Error", (401, 414, 431))},
+                security=_security(stream=False),
+            )
+        },
+        "/healthz": {
+            "get": _operation(
+                "healthz",
+                "Liveness",
+                {**_ok("alive", _ref("Health")), **_errors("Error", (414, 431))},
+            )
+        },
+        "/readyz": {
+            "get": _operation(
+                "readyz",
+                "Readiness (503 while draining)",
+                {
+                    **_ok("ready", _ref("Health")),
+                    "503": {"description": "draining", "content": _content(_ref("Health"))},
+                    **_errors("Error", (414, 431)),
+                },
+            )
+        },
+        "/openapi.json": {
+            "get": _operation(
+                "openapi",
+                "This description",
+                {**_ok("OpenAPI 3.1", {"type": "object"}), **_errors("Error", (414, 431))},
+            )
+        },
+    }
+
+
+def _compat_paths() -> dict[str, JSON]:
+    statuses = (400, 401, 404, 413, 414, 429, 431, 502, 503)
+    resumable = _param(
+        "header",
+        "X-Sluice-Resumable",
+        {"type": "string", "enum": ["true", "false"]},
+        "`true`: SSE ids, and the stream survives a disconnect",
+    )
+
+    def answer(schema: str, events: str) -> dict[str, JSON]:
+        return {
+            "200": {
+                "description": "the whole answer, or its events",
+                "headers": {"X-Sluice-Stream-Id": _header("the stream id")},
+                "content": {_JSON: {"schema": _ref(schema)}, _SSE: {"schema": _ref(events)}},
+            }
+        }
+
+    def compat(operation_id: str, summary: str, body: str, dialect: str) -> JSON:
+        answer_schema, errors = f"{dialect}Response", f"{dialect}Error"
+        return {
+            "post": _operation(
+                operation_id,
+                summary,
+                {**answer(answer_schema, f"{dialect}Event"), **_errors(errors, statuses)},
+                security=_security(stream=False),
+                parameters=[resumable],
+                body=body,
+            )
+        }
+
+    return {
+        "/v1/chat/completions": compat(
+            "createChatCompletion",
+            "OpenAI Chat Completions",
+            "ChatCompletionRequest",
+            "OpenAI",
+        ),
+        "/v1/completions": compat(
+            "createCompletion",
+            "OpenAI Completions",
+            "CompletionRequest",
+            "OpenAI",
+        ),
+        "/v1/messages": compat(
+            "createMessage",
+            "Anthropic Messages",
+            "MessagesRequest",
+            "Anthropic",
+        ),
+    }
+
+
+def _string_fields(*names: str) -> JSON:
+    return {name: {"type": "string"} for name in names}
+
+
+def _response_schemas() -> dict[str, JSON]:
+    state = {"type": "string", "enum": [state.value for state in StreamState]}
+    stream: JSON = {
+        "type": "object",
+        "required": ["id", "model", "state", "resumable", "events", "tokens", "readers"],
+        "properties": {
+            **_string_fields("id", "model"),
+            "state": state,
+            "resumable": {"type": "boolean"},
+            "created": {"type": "integer"},
+            "events": {"type": "integer", "minimum": 0},
+            "tokens": {"type": "integer", "minimum": 0},
+            "readers": {"type": "integer", "minimum": 0},
+            "finish_reason": {"type": ["string", "null"]},
+        },
+    }
+    created: JSON = {
+        "allOf": [
+            _ref("Stream"),
+            {
+                "type": "object",
+                "required": ["events_url", "cancel_url", "resume_token"],
+                "properties": _string_fields("events_url", "cancel_url", "resume_token"),
+            },
+        ]
+    }
+
+    def envelope(required: list[str], error_required: list[str]) -> JSON:
+        return {
+            "type": "object",
+            "required": [*required, "error"],
+            "properties": {
+                "error": {
+                    "type": "object",
+                    "required": error_required,
+                    "properties": {
+                        "type": {"type": "string"},
+                        "message": {"type": "string"},
+                        "code": {"type": ["string", "null"]},
+                        "param": {"type": ["string", "null"]},
+                    },
+                }
+            },
+        }
+
+    def event(names: list[str] | None, required: list[str]) -> JSON:
+        """One SSE event, as parsed: its ``data`` lines joined (JSON, or OpenAI's ``[DONE]``)."""
+        name: JSON = {"type": "string"} if names is None else {"enum": names}
+        return {
+            "type": "object",
+            "required": ["event", "data", *required],
+            "properties": {
+                "event": name,
+                "data": {"type": "string"},
+                "id": {"type": "string"},
+                "retry": {"type": "integer", "minimum": 0},
+            },
+        }
+
+    anthropic_events = [
+        *("message_start", "ping", "message_delta", "message_stop", "error"),
+        *("content_block_start", "content_block_delta", "content_block_stop"),
+    ]
+    return {
+        "NativeEvent": event(["start", "token", "usage", "done", "error"], ["id"]),
+        "OpenAIEvent": event(["message"], []),
+        "AnthropicEvent": event(anthropic_events, []),
+        "Stream": stream,
+        "CreatedStream": created,
+        "Dropped": {
+            "type": "object",
+            "required": ["id", "dropped"],
+            "properties": {"id": {"type": "string"}, "dropped": {"type": "integer"}},
+        },
+        "ModelList": {
+            "type": "object",
+            "required": ["object", "data"],
+            "properties": {
+                "object": {"const": "list"},
+                "data": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["id", "object", "owned_by"],
+                        "properties": _string_fields("id", "object", "owned_by"),
+                    },
+                },
+            },
+        },
+        "Health": {
+            "type": "object",
+            "required": ["status"],
+            "properties": {"status": {"type": "string"}},
+        },
+        "Error": envelope([], ["type", "code", "message"]),
+        "OpenAIError": envelope([], ["type", "message"]),
+        "AnthropicError": {
+            **envelope(["type"], ["type", "message"]),
+        },
+        "OpenAIResponse": {
+            "type": "object",
+            "required": ["id", "object", "created", "model", "choices"],
+            "properties": {
+                **_string_fields("id", "object", "model"),
+                "created": {"type": "integer"},
+                "choices": {"type": "array", "items": {"type": "object"}},
+            },
+        },
+        "AnthropicResponse": {
+            "type": "object",
+            "required": ["id", "type", "role", "content"],
+            "properties": {
+                **_string_fields("id", "model"),
+                "type": {"const": "message"},
+                "role": {"const": "assistant"},
+                "content": {"type": "array", "items": {"type": "object"}},
+            },
+        },
+    }
+
+
+def _bound(field: JSON, keyword: str, value: float) -> None:
+    """Set ``keyword`` on the branch of ``field`` that ``keyword`` applies to."""
+    kind = ("string",) if keyword == "maxLength" else ("integer", "number")
+    branches = field.get("anyOf")
+    for branch in [field, *(branches if isinstance(branches, list) else [])]:
+        if isinstance(branch, dict) and branch.get("type") in kind:
+            branch[keyword] = value
+
+
+def _settings_bounds(schemas: dict[str, JSON], settings: Settings) -> None:
+    """The server's own bounds (``check_bounds`` and friends), which the models leave out."""
+    for name in ("CreateStreamRequest", "ChatCompletionRequest", "CompletionRequest"):
+        fields: dict[str, JSON] = schemas[name]["properties"]  # type: ignore[assignment]
+        for tokens in ("max_tokens", "max_completion_tokens"):
+            if tokens in fields:
+                _bound(fields[tokens], "maximum", settings.max_tokens_limit)
+        if "prompt" in fields:
+            _bound(fields["prompt"], "maxLength", settings.max_prompt_chars)
+    messages: dict[str, JSON] = schemas["MessagesRequest"]["properties"]  # type: ignore[assignment]
+    _bound(messages["max_tokens"], "maximum", settings.max_tokens_limit)
+    native: dict[str, JSON] = schemas["CreateStreamRequest"]["properties"]  # type: ignore[assignment]
+    _bound(native["interval_ms"], "maximum", settings.max_interval_ms)
+
+
+def openapi_document(settings: Settings | None = None) -> JSON:
+    """The whole description of a server with ``settings``, as a JSON-ready dict."""
+    _, definitions = models_json_schema(
+        [(model, "validation") for model in _BODIES.values()], ref_template=_REF
+    )
+    schemas: dict[str, JSON] = dict(definitions.get("$defs", {}))
+    for public, model in _BODIES.items():
+        # Named after their classes; no schema refers to a request body, so a rename is safe.
+        schemas[public] = schemas.pop(model.__name__)
+    settings = settings or Settings()
+    _settings_bounds(schemas, settings)
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "Sluice",
+            "version": __version__,
+            "description": "Resumable, cancellable LLM token streams over Server-Sent Events.",
+        },
+        "paths": {**_native_paths(settings), **_compat_paths()},
+        "components": {
+            "schemas": {**schemas, **_response_schemas()},
+            "securitySchemes": {
+                "bearerAuth": {"type": "http", "scheme": "bearer"},
+                "apiKeyHeader": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+                "resumeTokenQuery": {"type": "apiKey", "in": "query", "name": TOKEN_PARAM},
+                "resumeTokenHeader": {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": RESUME_TOKEN_HEADER,
+                },
+            },
+        },
+    }
+
+
+def openapi_endpoint(settings: Settings) -> Callable[[Request], Awaitable[Response]]:
+    """The ``GET /openapi.json`` handler of a server with ``settings``."""
+
+    async def openapi_json(request: Request) -> Response:
+        return JSONResponse(openapi_document(settings))
+
+    return openapi_json
