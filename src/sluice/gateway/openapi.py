@@ -284,8 +284,8 @@ def _compat_paths() -> dict[str, JSON]:
     resumable = _param(
         "header",
         "X-Sluice-Resumable",
-        {"type": "string", "enum": ["true", "false"]},
-        "`true`: SSE ids, and the stream survives a disconnect",
+        {"type": "string"},
+        "`true`: SSE ids, and the stream survives a disconnect (any other value: it does not)",
     )
 
     def answer(schema: str, events: str) -> dict[str, JSON]:
