@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -22,8 +23,17 @@ __all__ = ["ServerProcess", "wait_for_state"]
 class ServerProcess:
     """``sluice serve`` with the given options, on a fresh loopback port."""
 
-    def __init__(self, *options: str, send_buffer_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        *options: str,
+        send_buffer_bytes: int | None = None,
+        log_level: str = "warning",
+        stderr_path: Path | None = None,
+    ) -> None:
         self.options = options
+        self.log_level = log_level
+        # Where the server's stderr (its log) goes; None: inherited from the tests.
+        self.stderr_path = stderr_path
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if send_buffer_bytes is not None:
@@ -48,11 +58,15 @@ class ServerProcess:
             "--port",
             str(self.port),
             "--log-level",
-            "warning",
+            self.log_level,
             *self.options,
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.process = subprocess.Popen(command, env=env, pass_fds=(fd,))
+        if self.stderr_path is None:
+            self.process = subprocess.Popen(command, env=env, pass_fds=(fd,))
+        else:
+            with self.stderr_path.open("wb") as stderr:  # the child keeps its own copy
+                self.process = subprocess.Popen(command, env=env, pass_fds=(fd,), stderr=stderr)
         return self
 
     def stop(self) -> int | None:

@@ -42,6 +42,7 @@ from sluice.gateway.auth import (
 )
 from sluice.gateway.protocol import SluiceHttpProtocol
 from sluice.gateway.settings import Settings
+from sluice.observability.logs import LOG_FORMATS, configure_logging
 
 __all__ = ["BUNDLED_MODEL", "build_parser", "main"]
 
@@ -176,6 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="streams held at once (live or retained); more are refused with 503",
     )
     serve.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        metavar="N",
+        help="open HTTP connections served at once; a request on one more is refused (503 "
+        "+ Retry-After; an SSE read gets a 'retry:' hint) and its connection closed "
+        "(default: no limit)",
+    )
+    serve.add_argument(
         "--max-streams-per-tenant",
         type=int,
         default=defaults.max_streams_per_tenant,
@@ -298,10 +308,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="logging verbosity",
     )
     serve.add_argument(
+        "--log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="'json': one JSON object per line on stderr (ts, level, logger, message; "
+        "stream_id, model, tenant where a line is about a stream), uvicorn's lines too",
+    )
+    serve.add_argument(
         "--access-log",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="log every HTTP request",
+        help="log every HTTP request, and every stream when it ends (id, model, tenant, "
+        "outcome, tokens, seconds)",
     )
     bench = commands.add_parser(
         "bench",
@@ -510,7 +528,10 @@ def serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"sluice serve: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.max_connections is not None and args.max_connections < 1:
+        print("sluice serve: --max-connections must be at least 1", file=sys.stderr)
+        return 2
+    log_config = configure_logging(args.log_format, args.log_level, access_log=args.access_log)
     backends: dict[str, Backend] = {}
     resources: list[contextlib.AbstractAsyncContextManager[object]] = []
     try:
@@ -541,8 +562,12 @@ def serve(args: argparse.Namespace) -> int:
         http=SluiceHttpProtocol if args.native_sse else "httptools",
         ws="none",
         lifespan="on",
+        log_config=log_config,
         log_level=args.log_level,
         access_log=args.access_log,
+        # uvicorn refuses a request once the open connections, the one asking included,
+        # reach its limit: N + 1 serves N connections.
+        limit_concurrency=None if args.max_connections is None else args.max_connections + 1,
         server_header=False,
         backlog=4096,
         timeout_graceful_shutdown=args.shutdown_timeout,

@@ -165,6 +165,31 @@ async def test_cancel_mid_stream_aborts_the_engine_request_and_frees_blocks(
     assert await running.driver.call(lambda engine: engine.num_requests) == 0
 
 
+async def test_abort_returns_with_the_blocks_free_and_reports_how_long_that_took(
+    setup: Setup, params: SamplingParams
+) -> None:
+    """A cancel mid-stream waits for the engine thread to apply the abort: by the terminal
+    event the observer was told the time, once, and the blocks are free."""
+    freed_after_s: list[float] = []
+    async with AsyncEngine(make_engine(setup)) as driver:
+        backend = EngineBackend(
+            "tiny", driver, setup.tokenizer, default_max_tokens=100, params=params
+        )
+        backend.set_abort_observer(freed_after_s.append)
+        hub = StreamHub(MemoryEventLog(), {"tiny": backend}, HubSettings(default_grace_s=5.0))
+        async with hub.running():
+            stream = await hub.create("tiny", GenerationRequest(PROMPT, max_tokens=100))
+            reader = hub.open_reader(stream.id, 0)
+            await read_until(reader, lambda seen: len(text_events(seen)) >= 2)
+            hub.cancel(stream.id)
+            events = await read_until(reader, lambda seen: reader.done)
+            assert events[-1] == Finished(FinishReason.CANCELLED)
+            assert len(freed_after_s) == 1
+            assert 0 <= freed_after_s[0] < 10
+            stats = await driver.call(lambda engine: engine.block_manager_stats())
+            assert stats.num_free_blocks == stats.num_blocks
+
+
 async def test_admission_errors_are_translated(setup: Setup) -> None:
     async with AsyncEngine(make_engine(setup, max_waiting=1)) as driver:
         backend = EngineBackend("tiny", driver, setup.tokenizer, default_max_tokens=4)

@@ -1,7 +1,10 @@
 """``GET /metrics``: Prometheus text that moves as streams start, stream tokens, end for each
-reason, get refused and resume; engine gauges per model."""
+reason, get refused and resume; the gaps between SSE writes of tokens; the time an engine
+request's cancel takes to free its KV blocks; engine gauges per model."""
 
 from __future__ import annotations
+
+import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -94,3 +97,45 @@ def test_metrics_follow_streams_refusals_and_resumes(server: ServerProcess) -> N
     assert moved("sluice_inter_token_latency_seconds_count", **tiny_version) >= 2
     assert value(after, "sluice_engine_kv_blocks", **tiny) > 0
     assert value(after, "sluice_engine_running", **tiny) == 0
+
+
+def test_sse_writes_of_tokens_observe_the_gaps_between_them(server: ServerProcess) -> None:
+    """One observation per write after the first that carries tokens: a paced stream of
+    five tokens is at least two writes (each token its own write unless the server fell
+    behind), and the gaps add up to no more than the stream lasted."""
+    before = scrape(server)
+    words = {"model": "words", "model_version": ""}
+    started = time.monotonic()
+    response = open_get(server.port, "/v1/demo/words?text=a%20b%20c%20d%20e&interval_ms=30")
+    events = Decoder().feed(b"".join(response.body()))
+    elapsed_s = time.monotonic() - started
+    response.close()
+    assert [e.event for e in events].count("token") == 5
+    after = scrape(server)
+    count = value(after, "sluice_sse_inter_event_gap_seconds_count", **words) - value(
+        before, "sluice_sse_inter_event_gap_seconds_count", **words
+    )
+    total_s = value(after, "sluice_sse_inter_event_gap_seconds_sum", **words) - value(
+        before, "sluice_sse_inter_event_gap_seconds_sum", **words
+    )
+    assert 1 <= count <= 4
+    assert 0 < total_s <= elapsed_s
+
+
+def test_cancelling_an_engine_stream_observes_the_time_until_its_blocks_are_free(
+    server: ServerProcess,
+) -> None:
+    before = scrape(server)
+    body = {"prompt": "Return the", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    created = httpx.post(f"{server.base_url}/v1/streams", json=body).json()
+    response = open_get(server.port, str(created["events_url"]))
+    decoder = Decoder()
+    for piece in response.body():  # until the first token: the request is in the engine
+        if any(event.event == "token" for event in decoder.feed(piece)):
+            break
+    httpx.post(f"{server.base_url}{created['cancel_url']}")
+    response.close()
+    wait_for_state(server, created["id"], "cancelled")
+    after = scrape(server)
+    name = "sluice_cancel_to_kv_free_seconds_count"
+    assert value(after, name, model="sluice-tiny") - value(before, name, model="sluice-tiny") >= 1

@@ -36,6 +36,8 @@ class Recorder:
 
     def coalesced_events(self, count: int) -> None: ...
 
+    def token_write_gap(self, model: str, gap_s: float) -> None: ...
+
     def limited(self, stream: object, limit: str) -> None:
         self.limits.append(limit)
 

@@ -17,16 +17,19 @@ before the stream's first event, translated at this boundary:
   :class:`~sluice.errors.BackendError`.
 
 Every engine output becomes one :class:`~sluice.backends.base.Delta`; its text (if any) is
-one :class:`~sluice.events.TextDelta`. ``abort()`` aborts the engine request, whose KV
-blocks are then free by the end of the engine's current step. The backend does not own the
-driver: whoever starts it (``async with AsyncEngine(...)``) stops it.
+one :class:`~sluice.events.TextDelta`. ``abort()`` aborts the engine request and returns
+once the engine thread applied the abort (by the end of its current step), when the
+request's KV blocks are free; a generation abandoned mid-iteration (its task cancelled)
+aborts the same way. The time each abort took goes to the backend's abort observer
+(:meth:`EngineBackend.set_abort_observer`; the app's metrics). The backend does not own
+the driver: whoever starts it (``async with AsyncEngine(...)``) stops it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from sluice.backends.base import Delta, GenerationRequest
@@ -44,6 +47,9 @@ __all__ = ["EngineBackend", "EngineGeneration", "PrefillMeter", "PromptEncoder"]
 _QUEUE_FULL_RETRY_AFTER_S = 1.0
 
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+
+# Told the seconds from asking for an abort to the engine having applied it (blocks free).
+AbortObserver = Callable[[float], None]
 
 
 class PrefillMeter:
@@ -140,6 +146,7 @@ class EngineGeneration:
         "_max_tokens",
         "_meter",
         "_num_prompt_tokens",
+        "_on_abort_freed",
         "_params",
         "_queued",
         "_request",
@@ -158,8 +165,10 @@ class EngineGeneration:
         max_tokens: int,
         meter: PrefillMeter | None = None,
         ttft_slo_s: float | None = None,
+        on_abort_freed: AbortObserver | None = None,
     ) -> None:
         self._driver = driver
+        self._on_abort_freed = on_abort_freed
         self._meter = meter or PrefillMeter()
         self._ttft_slo_s = ttft_slo_s
         self._queued = False  # counted in the meter's queued prompt tokens
@@ -216,7 +225,7 @@ class EngineGeneration:
         if self._abort_requested():  # abort() ran while the request was being added
             self._finished = True
             self._leave_queue(prefilled=False)
-            self._driver.abort_nowait(stream.request_id)
+            await self._abort_engine(stream.request_id)
 
     def _admit(self) -> None:
         """Refuse the request if its predicted time to first token is over the SLO; else
@@ -273,18 +282,28 @@ class EngineGeneration:
             self._leave_queue(prefilled=False)
             if not self._finished:  # cancelled, aborted or abandoned: free the blocks
                 self._finished = True
-                self._driver.abort_nowait(stream.request_id)
+                await self._abort_engine(stream.request_id)
 
     def _abort_requested(self) -> bool:
         return self._aborted
 
     async def abort(self) -> None:
-        """Abort the engine request (idempotent; safe before the start and after the end)."""
+        """Abort the engine request and wait until its KV blocks are free (idempotent;
+        safe before the start and after the end)."""
         self._aborted = True
         self._leave_queue(prefilled=False)
         if self._stream is not None and not self._finished:
             self._finished = True
-            self._driver.abort_nowait(self._stream.request_id)
+            await self._abort_engine(self._stream.request_id)
+
+    async def _abort_engine(self, request_id: int) -> None:
+        """Abort between engine steps and report how long that took. The abort is queued
+        before the first suspension, so a cancel that interrupts the wait frees the blocks
+        all the same (only the observation is lost)."""
+        asked = time.monotonic()
+        applied = await self._driver.abort(request_id)
+        if applied and self._on_abort_freed is not None:
+            self._on_abort_freed(time.monotonic() - asked)
 
     def usage(self) -> Usage:
         latest = self._latest
@@ -346,6 +365,12 @@ class EngineBackend:
         # Off (None) by default: refusing on a prediction is an operator's choice.
         self.ttft_slo_s = ttft_slo_s
         self.meter = PrefillMeter()
+        self._on_abort_freed: AbortObserver | None = None
+
+    def set_abort_observer(self, observer: AbortObserver | None) -> None:
+        """Tell ``observer`` the seconds each aborted request took to free its KV blocks
+        (from now on; the app points it at its metrics)."""
+        self._on_abort_freed = observer
 
     @property
     def model(self) -> str:
@@ -362,6 +387,7 @@ class EngineBackend:
             max_tokens,
             self.meter,
             self.ttft_slo_s,
+            self._on_abort_freed,
         )
 
     async def stats(self) -> dict[str, int]:

@@ -8,8 +8,10 @@ small Starlette app (routing, CORS preflight, the lifespan that runs the hub).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Mapping, Sequence
+import functools
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from importlib import resources as package_data
+from typing import Protocol, runtime_checkable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -39,6 +41,13 @@ from sluice.transports.asgi import Receive, Scope, Send
 __all__ = ["SluiceApp", "create_app"]
 
 
+@runtime_checkable
+class _AbortObserved(Protocol):
+    """A backend that reports how long its aborts take to free resources (the engine)."""
+
+    def set_abort_observer(self, observer: Callable[[float], None] | None) -> None: ...
+
+
 class SluiceApp:
     """The ASGI callable; ``hub`` is exposed for operations and tests."""
 
@@ -63,6 +72,9 @@ class SluiceApp:
         )
         versions = {name: str(getattr(b, "version", "")) for name, b in backends.items()}
         self.metrics = Metrics(versions)
+        for name, backend in backends.items():
+            if isinstance(backend, _AbortObserved):
+                backend.set_abort_observer(functools.partial(self.metrics.abort_freed, name))
         self.hub = StreamHub(log, backends, hub_settings, observer=self.metrics)
         self.streams = EventStreams(self.hub, settings, self.metrics, self.auth)
         page = package_data.files("sluice.web").joinpath("index.html").read_text("utf-8")

@@ -14,7 +14,14 @@ the transport, driven by callbacks:
 - request heads are bounded while they are parsed (httptools bounds neither the target nor
   the header lines): a target over ``Settings.max_url_bytes`` is answered 414, header lines
   over ``Settings.max_header_bytes`` 431, and the connection closed, before the head is
-  buffered whole.
+  buffered whole;
+- uvicorn's ``limit_concurrency`` (``sluice serve --max-connections``) is checked here for
+  every request, SSE reads included, with uvicorn's rule (connections, this one counted,
+  or request tasks at the limit): over it, the request is refused like a full server
+  (``503`` + ``Retry-After``; an SSE read gets a ``retry:`` hint, see
+  :func:`~sluice.gateway.streaming.refusal`) and the connection is closed, which frees it;
+- with uvicorn's access log on, SSE responses served here are logged as uvicorn logs the
+  others (``uvicorn.access``).
 
 Every other request, and every SSE read when the app is served by another ASGI server,
 goes through the ASGI app unchanged. uvicorn is pinned: this subclass relies on its
@@ -31,11 +38,14 @@ from typing import Any, cast
 import httptools
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.utils import get_client_addr
 
-from sluice.errors import SluiceError
+from sluice.errors import CapacityError, SluiceError
+from sluice.gateway.errors import response_for
 from sluice.gateway.limits import HEADER_LINE_OVERHEAD, header_bytes_error, url_bytes_error
 from sluice.gateway.settings import Settings
 from sluice.gateway.streaming import EventStreams, refusal
+from sluice.observability.metrics import Metrics
 from sluice.transports.asgi import Scope
 from sluice.transports.sse import SSE_HEADERS, SSEConnection, set_write_deadline
 
@@ -46,6 +56,8 @@ _LAST_CHUNK = b"0\r\n\r\n"
 # be buffered inside the parser: the raw bytes of an unfinished head are bounded too, with
 # one socket read of slack (a read may also carry the end of the previous request).
 _HEAD_READ_SLACK_BYTES = 64 * 1024
+# What a request refused for the connection limit is told to wait (``Retry-After``).
+_CONNECTION_LIMIT_RETRY_AFTER_S = 1.0
 
 
 class _Pipeline(list[Any]):
@@ -162,8 +174,10 @@ class SluiceHttpProtocol(HttpToolsProtocol):
             return
         super().on_header(name, value)
 
-    def _refuse_head(self, error: SluiceError) -> None:
-        """Answer a head over the limits (unless a response is under way) and hang up."""
+    def _refuse_head(self, error: SluiceError, *, sse: bool = True) -> None:
+        """Answer a head over the limits (unless a response is under way) and hang up;
+        ``sse=False`` answers as the JSON routes do (a full server: ``503`` +
+        ``Retry-After``), not as an SSE read (a ``retry:`` hint)."""
         self.head_refused = True
         self.in_head = False
         busy = self.sse_request or (self.cycle is not None and not self.cycle.response_complete)
@@ -171,7 +185,13 @@ class SluiceHttpProtocol(HttpToolsProtocol):
             self.transport.close()
             return
         self.sse_keep_alive = False
-        self._write_whole(*refusal(error))
+        if sse:
+            self._write_whole(*refusal(error))
+        else:
+            response = response_for(error)
+            self._write_whole(
+                response.status_code, list(response.raw_headers), bytes(response.body)
+            )
 
     # ------------------------------------------------------------------ parser callbacks
 
@@ -185,18 +205,25 @@ class SluiceHttpProtocol(HttpToolsProtocol):
             return
         streams = self.sse_streams
         method = self.parser.get_method().decode("ascii")
-        if streams is None or self.parser.should_upgrade():
+        limit = self.limit_concurrency
+        over_limit = limit is not None and (
+            len(self.connections) >= limit or len(self.tasks) >= limit
+        )
+        if (streams is None or self.parser.should_upgrade()) and not over_limit:
             super().on_headers_complete()
             return
         parsed = httptools.parse_url(self.url)
         path = parsed.path.decode("ascii")
         if "%" in path:
             path = urllib.parse.unquote(path)
+        http_version = self.parser.get_http_version()
+        if over_limit:
+            self._refuse_over_limit(method, path, parsed.query or b"", http_version)
+            return
         busy = self.cycle is not None and not self.cycle.response_complete
-        if busy or not streams.handles(method, path):
+        if streams is None or busy or not streams.handles(method, path):
             super().on_headers_complete()
             return
-        http_version = self.parser.get_http_version()
         self.scope["method"] = method
         self.scope["http_version"] = http_version
         self.scope["path"] = path
@@ -212,6 +239,28 @@ class SluiceHttpProtocol(HttpToolsProtocol):
         task = self.loop.create_task(self._open_sse(streams, scope))
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)
+
+    def _refuse_over_limit(
+        self, method: str, path: str, query_string: bytes, http_version: str
+    ) -> None:
+        """Answer a request over ``limit_concurrency`` as a full server and hang up."""
+        self.scope["method"] = method
+        self.scope["http_version"] = http_version
+        self.scope["path"] = path
+        self.scope["query_string"] = query_string
+        metrics = getattr(self.config.app, "metrics", None)
+        if isinstance(metrics, Metrics):
+            metrics.refusals.labels("max_connections").inc()
+        error = CapacityError(
+            "too many open connections; retry later",
+            retry_after_s=_CONNECTION_LIMIT_RETRY_AFTER_S,
+            reason="max_connections",
+        )
+        streams = self.sse_streams
+        if streams is not None and streams.handles(method, path):
+            self._refuse_head(error)  # a retry: hint, so EventSource comes back
+        else:
+            self._refuse_head(error, sse=False)
 
     def on_body(self, body: bytes) -> None:
         if not self.sse_request and not self.head_refused:
@@ -291,6 +340,18 @@ class SluiceHttpProtocol(HttpToolsProtocol):
     def _write_head(
         self, status: int, headers: list[tuple[bytes, bytes]], *, chunked: bool
     ) -> None:
+        if self.access_log and self.scope is not None:
+            scope = self.scope
+            query = scope.get("query_string", b"")
+            target = scope.get("path", "-") + ("?" + query.decode("latin-1") if query else "")
+            self.access_logger.info(
+                '%s - "%s %s HTTP/%s" %d',
+                get_client_addr(cast(Any, scope)),
+                scope.get("method", "-"),
+                target,
+                scope.get("http_version", "1.1"),
+                status,
+            )
         parts = [STATUS_LINE[status]]
         for name, value in (*self.server_state.default_headers, *headers):
             parts += [name, b": ", value, b"\r\n"]

@@ -1,8 +1,10 @@
 """Prometheus metrics, served at ``GET /metrics``.
 
 One registry per app (several apps can live in one process, as in tests). Stream metrics
-come from the hub through the :class:`~sluice.streams.hub.StreamObserver` hooks; engine
-gauges are read from each engine backend's ``stats()`` when ``/metrics`` is scraped.
+come from the hub through the :class:`~sluice.streams.hub.StreamObserver` hooks (which also
+write the stream log's line when a stream ends, see :mod:`sluice.observability.logs`);
+engine gauges are read from each engine backend's ``stats()`` when ``/metrics`` is
+scraped; the abort timings from each engine backend's abort observer.
 
 Every stream metric has ``model`` and ``model_version`` labels (the version is the
 backend's ``version`` attribute: for the embedded engine, the first 12 hex digits of the
@@ -15,6 +17,9 @@ metric                                      what
 ``sluice_inter_token_latency_seconds``      between token appends of one stream, per gap,
                                             engine side (histogram; a burst of n tokens
                                             counts as one gap)
+``sluice_sse_inter_event_gap_seconds``      between consecutive writes of token events to one
+                                            SSE connection, edge side, after the write
+                                            (histogram; one observation per write)
 ``sluice_queue_seconds``                    stream created -> backend admitted it
 ``sluice_e2e_seconds``                      stream created -> terminal event
 ``sluice_streams_active``                   live streams (gauge)
@@ -25,7 +30,8 @@ metric                                      what
 ``sluice_resume_gaps_total``                resumes refused: the position was dropped
 ``sluice_admission_refusals_total``         by ``reason``: overloaded, invalid_request,
                                             backend_error, unknown_model, too_many_streams,
-                                            tenant_limit
+                                            tenant_limit, max_connections (``sluice serve
+                                            --max-connections``)
 ``sluice_backend_refusals_total``           works a backend refused in ``start()``, by
                                             ``reason``: queue_full, ttft_slo, capacity
 ``sluice_streams_limited_total``            streams a hub limit ended, by ``limit``:
@@ -35,6 +41,9 @@ metric                                      what
                                             drain for ``send_timeout_s``)
 ``sluice_sse_coalesced_events_total``       token events merged into others for lagging
                                             readers (the merged events are not counted)
+``sluice_cancel_to_kv_free_seconds``        an engine request's abort -> the engine thread
+                                            applied it and its KV blocks are free
+                                            (histogram, per ``model``)
 ``sluice_engine_*``                         running and waiting sequences, KV blocks total
                                             and used, prefix-cache hits (gauges, per model)
 =========================================== =================================================
@@ -47,6 +56,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from sluice.errors import CapacityError, TenantLimitError, UnknownModelError
+from sluice.observability.logs import log_stream_end
 from sluice.streams.hub import Stream
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
@@ -77,6 +87,18 @@ class Metrics:
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, labels, registry=registry, buckets=_LATENCY_BUCKETS)
 
+        self.sse_gap = histogram(
+            "sluice_sse_inter_event_gap_seconds", "Gap between writes of token events"
+        )
+        # The per-model children, so a write's observation skips the label lookup.
+        self._sse_gap_by_model: dict[str, Histogram] = {}
+        self.cancel_to_kv_free = Histogram(
+            "sluice_cancel_to_kv_free_seconds",
+            "Time from an engine request's abort to its KV blocks being free",
+            ("model",),
+            registry=registry,
+            buckets=_LATENCY_BUCKETS,
+        )
         self.ttft = histogram("sluice_time_to_first_token_seconds", "Time to first token")
         self.itl = histogram("sluice_inter_token_latency_seconds", "Gap between token appends")
         self.queue = histogram("sluice_queue_seconds", "Time until the backend admitted it")
@@ -142,6 +164,7 @@ class Metrics:
             self.active.labels(*labels).dec()
         self.finished_total.labels(*labels, outcome).inc()
         self.e2e.labels(*labels).observe(e2e_s)
+        log_stream_end(stream, outcome, e2e_s)  # the stream log (``--access-log``)
 
     def limited(self, stream: Stream, limit: str) -> None:
         self.limited_total.labels(*self._labels(stream), limit).inc()
@@ -156,6 +179,20 @@ class Metrics:
 
     def coalesced_events(self, count: int) -> None:
         self.coalesced.inc(count)
+
+    def token_write_gap(self, model: str, gap_s: float) -> None:
+        child = self._sse_gap_by_model.get(model)
+        if child is None:
+            child = self.sse_gap.labels(model, self._versions.get(model, ""))
+            self._sse_gap_by_model[model] = child
+        child.observe(gap_s)
+
+    # -- the engine backends' abort observer ----------------------------------------------
+
+    def abort_freed(self, model: str, seconds: float) -> None:
+        """An engine request of ``model`` was aborted and its KV blocks freed ``seconds``
+        after the abort was asked for."""
+        self.cancel_to_kv_free.labels(model).observe(seconds)
 
     # -- the rest -------------------------------------------------------------------------
 

@@ -174,6 +174,11 @@ class Stream:
         }
 
 
+def _log_fields(stream: Stream) -> dict[str, object]:
+    """The ``extra=`` of a log record about ``stream`` (fields of the JSON log lines)."""
+    return {"stream_id": stream.id, "model": stream.model, "tenant": stream.tenant}
+
+
 class StreamHub:
     """Creates streams, runs their producers, and hands out readers."""
 
@@ -364,7 +369,9 @@ class StreamHub:
         if stream.timer is not None and not stream.is_terminal:
             stream.timer.cancel()  # the grace window: a reader is here
             stream.timer = None
-        reader = Reader(self._log, stream_id, after_seq, on_close=self._reader_left)
+        reader = Reader(
+            self._log, stream_id, after_seq, on_close=self._reader_left, model=stream.model
+        )
         reader.delivery = self._observer
         stream.readers.append(reader)
         return reader
@@ -402,7 +409,10 @@ class StreamHub:
             return
         stream.deadline = None
         logger.info(
-            "stream %s: longer than %.0f s, ending it", stream_id, self.settings.max_stream_s
+            "stream %s: longer than %.0f s, ending it",
+            stream_id,
+            self.settings.max_stream_s,
+            extra=_log_fields(stream),
         )
         stream.cancel_cause = "max_duration"
         self.cancel(stream_id)
@@ -413,7 +423,12 @@ class StreamHub:
             return
         stream.timer = None
         if not stream.readers:
-            logger.info("stream %s: no reader within %.1f s, cancelling", stream_id, stream.grace_s)
+            logger.info(
+                "stream %s: no reader within %.1f s, cancelling",
+                stream_id,
+                stream.grace_s,
+                extra=_log_fields(stream),
+            )
             stream.cancel_cause = "client_gone"
             self.cancel(stream_id)
 
@@ -512,7 +527,7 @@ class StreamHub:
             target = StreamState.FAILED
         except Exception:
             stream.task = None
-            logger.exception("stream %s: producer failed", stream.id)
+            logger.exception("stream %s: producer failed", stream.id, extra=_log_fields(stream))
             await generation.abort()
             final = [Error("internal_error", "the stream failed inside the server", False)]
             target = StreamState.FAILED

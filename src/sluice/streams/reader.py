@@ -25,6 +25,10 @@ class DeliveryObserver(Protocol):
     def coalesced_events(self, count: int) -> None:
         """``count`` token events were merged into others for a lagging client."""
 
+    def token_write_gap(self, model: str, gap_s: float) -> None:
+        """A write carrying token events reached a client's socket ``gap_s`` after the
+        previous such write to the same connection (one call per write, not per event)."""
+
 
 class Framer(Protocol):
     """Turns a reader's records into the bytes of a non-native dialect's SSE frames."""
@@ -51,6 +55,7 @@ class Reader:
         "done",
         "framer",
         "interrupted",
+        "model",
         "stream_id",
     )
 
@@ -61,9 +66,11 @@ class Reader:
         after_seq: int,
         *,
         on_close: Callable[[Reader], None],
+        model: str = "",
     ) -> None:
         self._log = log
         self.stream_id = stream_id
+        self.model = model  # the stream's model, for the delivery observer's labels
         self.after_seq = after_seq
         self.done = False  # the terminal event has been read
         self.interrupted = False  # the server asked this connection to drop (clients resume)

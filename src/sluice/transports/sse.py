@@ -11,6 +11,10 @@ append and joined per write, ``: ping`` when idle, end after the terminal event)
 - :func:`send_event_stream` is the same loop as a plain ASGI coroutine, for any ASGI
   server.
 
+Each write that carries token events reports the gap since the previous one to the
+reader's :class:`~sluice.streams.reader.DeliveryObserver` (``token_write_gap``), after the
+write: the clock read that stamps a write for heartbeats serves it too.
+
 A reader whose client cannot keep up is simply not read: the log absorbs the gap, and
 when the transport drains the next write carries every frame that is ready. Slow clients:
 
@@ -38,12 +42,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from sluice.dialects import native
 from sluice.errors import ResumeGapError, StreamNotFoundError
-from sluice.events import TextDelta
+from sluice.events import NeutralEvent, TextDelta, ToolCallDelta
 from sluice.sse import encode_comment, encode_retry
 from sluice.streams.ids import event_id
 from sluice.streams.log import Batch
@@ -159,8 +164,22 @@ def _flush_run(
     return num_merged
 
 
-def _next_body(reader: Reader, max_records: int, lagging: bool = False) -> bytes | None:
-    """The bytes to write next for ``reader``: ready frames, a refusal, or ``None``.
+def _has_tokens(events: Sequence[NeutralEvent]) -> bool:
+    """Whether ``events`` holds a token event. A stream's token events are contiguous
+    after its one ``Started``, so the scan of a read with tokens stops at its first or
+    second event."""
+    for event in events:
+        kind = type(event)
+        if kind is TextDelta or kind is ToolCallDelta:
+            return True
+    return False
+
+
+def _next_body(
+    reader: Reader, max_records: int, lagging: bool = False
+) -> tuple[bytes | None, bool]:
+    """The bytes to write next for ``reader`` (ready frames, a refusal, or ``None``), and
+    whether they carry token events (only worked out when the reader has an observer).
 
     Sets ``reader.done`` when the body ends the stream (terminal event, resume gap, or a
     log that expired underneath). A ``lagging`` native reader's token runs are coalesced.
@@ -171,24 +190,26 @@ def _next_body(reader: Reader, max_records: int, lagging: bool = False) -> bytes
     except ResumeGapError as exc:
         reader.done = True
         if framer is not None:
-            return framer.refusal("resume_gap", str(exc))
-        return native.error_frame("resume_gap", str(exc))
+            return framer.refusal("resume_gap", str(exc)), False
+        return native.error_frame("resume_gap", str(exc)), False
     except StreamNotFoundError:
         reader.done = True  # expired under us: nothing more will come
-        return b""
+        return b"", False
     frames = batch.frames
     if not frames:
-        return None
+        return None, False
+    delivery = reader.delivery
+    tokens = delivery is not None and _has_tokens(batch.events)
     if framer is not None:
-        return framer.frame(batch)
+        return framer.frame(batch), tokens
     if len(frames) == 1:
-        return frames[0]
+        return frames[0], tokens
     if lagging:
         body, num_merged = coalesce_tokens(batch, reader.stream_id)
-        if num_merged and reader.delivery is not None:
-            reader.delivery.coalesced_events(num_merged)
-        return body
-    return b"".join(frames)
+        if num_merged and delivery is not None:
+            delivery.coalesced_events(num_merged)
+        return body, tokens
+    return b"".join(frames), tokens
 
 
 class SSEConnection:
@@ -203,6 +224,7 @@ class SSEConnection:
         "_finish",
         "_heartbeat",
         "_lagging",
+        "_last_token_write",
         "_last_write",
         "_loop",
         "_options",
@@ -229,7 +251,8 @@ class SSEConnection:
         self._loop = asyncio.get_running_loop()
         self._watching = False  # registered with the log as its waiter
         self._heartbeat: asyncio.TimerHandle | None = None
-        self._last_write = 0.0
+        self._last_write = 0.0  # time.monotonic() of the last write
+        self._last_token_write = 0.0  # ... of the last write with token events (0: none)
         self._paused = False
         self._lagging = False  # paused since it last caught up with the log: coalesce
         self._stall: asyncio.TimerHandle | None = None  # the send timeout while paused
@@ -239,7 +262,7 @@ class SSEConnection:
         """Write the ``retry:`` hint and everything ready, then follow the log."""
         if self.reader.framer is None:  # see _RETRY_NATIVE_ONLY
             self._write(encode_retry(self._options.retry_ms))
-        self._last_write = self._loop.time()
+        self._last_write = time.monotonic()
         self._heartbeat = self._loop.call_later(
             self._options.heartbeat_interval_s, self._on_heartbeat
         )
@@ -254,7 +277,7 @@ class SSEConnection:
             if reader.interrupted:
                 self._end(clean=True)
                 return
-            body = _next_body(reader, max_records, self._lagging)
+            body, tokens = _next_body(reader, max_records, self._lagging)
             if body is None:
                 self._lagging = False  # caught up
                 self._watching = True
@@ -262,7 +285,11 @@ class SSEConnection:
                 return
             if body:
                 self._write(body)
-                self._last_write = self._loop.time()
+                self._last_write = now = time.monotonic()
+                if tokens:  # the edge-side gap, after the write (tokens: an observer)
+                    if self._last_token_write and reader.delivery is not None:
+                        reader.delivery.token_write_gap(reader.model, now - self._last_token_write)
+                    self._last_token_write = now
             if reader.done:
                 self._end(clean=True)
                 return
@@ -284,10 +311,10 @@ class SSEConnection:
         if self.closed:
             return
         interval_s = self._options.heartbeat_interval_s
-        idle_s = self._loop.time() - self._last_write
+        idle_s = time.monotonic() - self._last_write
         if idle_s >= interval_s and not self._paused:
             self._write(_PING)
-            self._last_write = self._loop.time()
+            self._last_write = time.monotonic()
             idle_s = 0.0
         self._heartbeat = self._loop.call_later(interval_s - idle_s, self._on_heartbeat)
 
@@ -425,24 +452,29 @@ async def _stream_body(
     deadline.reschedule(None)
     if reader.framer is None:  # see _RETRY_NATIVE_ONLY
         await send_body(encode_retry(options.retry_ms))
-    last_write = loop.time()
+    last_write = time.monotonic()
+    last_token_write = 0.0  # time.monotonic() of the last write with token events
     heartbeat_s = options.heartbeat_interval_s
     lagging = False  # a send had to wait since the reader last caught up: coalesce
     while not disconnect.done() and not reader.interrupted:
-        body = _next_body(reader, options.max_batch_records, lagging)
+        body, tokens = _next_body(reader, options.max_batch_records, lagging)
         if body:
             if await send_body(body) and options.coalesce:
                 lagging = True
-            last_write = loop.time()
+            last_write = now = time.monotonic()
+            if tokens:  # the edge-side gap, after the write (tokens: an observer)
+                if last_token_write and reader.delivery is not None:
+                    reader.delivery.token_write_gap(reader.model, now - last_token_write)
+                last_token_write = now
         if reader.done:
             break
         if body is not None:
             continue
         lagging = False  # caught up
-        idle_s = loop.time() - last_write
+        idle_s = time.monotonic() - last_write
         if idle_s >= heartbeat_s:
             await send_body(_PING)
-            last_write = loop.time()
+            last_write = time.monotonic()
             idle_s = 0.0
         future: asyncio.Future[None] = loop.create_future()
         wakeup.future = future
