@@ -8,9 +8,14 @@ path). The result is saved in Hugging Face format (``config.json``, ``model.safe
 in fp16, ``tokenizer.json``), so ``sluice serve --model DIR`` and ``transformers`` both
 load it.
 
-    .venv/bin/python scripts/train_tiny_model.py --out models/sluice-tiny --minutes 30
+    .venv/bin/python scripts/train_tiny_model.py --out models/sluice-tiny \\
+        --layers 4 --width 256 --heads 8 --minutes 50
+    .venv/bin/python scripts/train_tiny_model.py --init models/sluice-tiny \\
+        --out models/sluice-tiny --layers 4 --width 256 --heads 8 --minutes 35 --lr 2e-3 --seed 1
     .venv/bin/python scripts/train_tiny_model.py --out models/sluice-tiny-draft \\
-        --tokenizer models/sluice-tiny/tokenizer.json --layers 2 --width 96 --minutes 10
+        --tokenizer models/sluice-tiny/tokenizer.json --layers 2 --width 128 --heads 4 --minutes 10
+
+``models/README.md`` records how the committed models were made.
 """
 
 from __future__ import annotations

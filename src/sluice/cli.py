@@ -576,7 +576,13 @@ def serve(args: argparse.Namespace) -> int:
     if auth_notice is not None:
         print(f"Sluice: {auth_notice}", flush=True)
     _Server(config, app, args.drain_timeout).run()
-    return 0
+    # Every stream has ended, the engine thread has stopped and the logs are flushed: skip
+    # the interpreter's teardown (seconds with torch loaded), so a supervisor sees the
+    # exit as soon as the drain is over.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
