@@ -97,6 +97,7 @@ def test_metrics_follow_streams_refusals_and_resumes(server: ServerProcess) -> N
     assert moved("sluice_inter_token_latency_seconds_count", **tiny_version) >= 2
     assert value(after, "sluice_engine_kv_blocks", **tiny) > 0
     assert value(after, "sluice_engine_running", **tiny) == 0
+    assert ("sluice_engine_preemptions", (("model", "sluice-tiny"),)) in after
 
 
 def test_sse_writes_of_tokens_observe_the_gaps_between_them(server: ServerProcess) -> None:

@@ -401,6 +401,7 @@ class EngineBackend:
                 "kv_blocks": blocks.num_blocks,
                 "kv_blocks_used": blocks.num_used_blocks,
                 "prefix_hits": blocks.num_prefix_hits,
+                "preemptions": engine.scheduler.num_preemptions,
             }
 
         stats = await self._driver.call(snapshot)

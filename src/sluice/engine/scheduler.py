@@ -158,6 +158,7 @@ class Scheduler:
         self._seqs: dict[int, Sequence] = {}
         self._outstanding: ScheduledBatch | None = None
         self._num_reserved_blocks = 0
+        self.num_preemptions = 0  # since the scheduler was made
 
     @property
     def num_waiting(self) -> int:
@@ -360,6 +361,7 @@ class Scheduler:
                 return True
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.running.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.WAITING

@@ -45,7 +45,8 @@ metric                                      what
                                             applied it and its KV blocks are free
                                             (histogram, per ``model``)
 ``sluice_engine_*``                         running and waiting sequences, KV blocks total
-                                            and used, prefix-cache hits (gauges, per model)
+                                            and used, prefix-cache hits, preemptions
+                                            (gauges, per model)
 =========================================== =================================================
 """
 
@@ -73,6 +74,7 @@ _ENGINE_GAUGES = {
     "kv_blocks": "KV-cache blocks in all",
     "kv_blocks_used": "KV-cache blocks held by sequences",
     "prefix_hits": "prompt blocks served from the prefix cache since start",
+    "preemptions": "sequences preempted (recomputed later) since start",
 }
 
 
