@@ -193,7 +193,7 @@ class ServerProcess:
             self.exit_note = f"exited with {process.returncode} after SIGTERM"
 
     def __enter__(self) -> ServerProcess:
-        return self.start()
+        return self if self.process is not None else self.start()  # started: just hold it
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     proxy = ServerProcess("proxy", proxy_cmd, proxy_port, "/healthz", logs / "proxy.log")
     results: dict[tuple[str, int], list[Sample]] = {}
-    with tick.start(), proxy.start():
+    with tick, proxy:
         for rep in range(args.reps):
             for level in (1, args.streams):
                 order = [("direct", tick_port), ("proxied", proxy_port)]

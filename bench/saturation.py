@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         server = ServerProcess(
             name, serve_command(port, *options), port, "/readyz", logs / f"{name}.log"
         )
-        with server.start(ready_timeout=60):
+        server.start(ready_timeout=60)
+        with server:
             results[name] = load(port, args, logs / f"{name}.json")
         print(f"admission {name}: done", flush=True)
 

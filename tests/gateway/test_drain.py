@@ -17,7 +17,7 @@ from sluice.sse import Decoder, Event
 from tests.rawhttp import RawResponse, open_get
 from tests.server import ServerProcess
 
-DRAIN_S = 3.0
+DRAIN_S = 10.0  # the case: 50 live streams, a 10 s drain deadline
 
 
 def _first_token(response: RawResponse) -> tuple[Iterator[bytes], Decoder, list[Event]]:
@@ -32,10 +32,10 @@ def _first_token(response: RawResponse) -> tuple[Iterator[bytes], Decoder, list[
 def test_sigterm_drains_live_streams_then_exits_zero() -> None:
     with ServerProcess("--no-model", "--drain-timeout", str(DRAIN_S)) as server:
         server.wait_ready()
-        short_text = "s " * 10  # 10 x 100 ms: done well within the deadline
-        long_text = "l " * 300  # 300 x 50 ms: cut by the deadline
+        short_text = "s " * 20  # 20 x 100 ms: done well within the deadline
+        long_text = "l " * 400  # 400 x 50 ms: cut by the deadline
         streams = []
-        for text, interval in [(short_text, 100)] * 5 + [(long_text, 50)] * 5:
+        for text, interval in [(short_text, 100)] * 25 + [(long_text, 50)] * 25:
             target = f"/v1/demo/words?text={quote(text)}&interval_ms={interval}"
             response = open_get(server.port, target)
             streams.append((text, response, *_first_token(response)))

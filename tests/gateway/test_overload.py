@@ -135,6 +135,7 @@ def engine_stats(server: ServerProcess) -> dict[str, int]:
     return stats
 
 
+@pytest.mark.timeout(240)
 def test_clients_leaving_at_random_points_leave_no_engine_request_or_block(
     engine_server: ServerProcess,
 ) -> None:
@@ -162,7 +163,7 @@ def test_clients_leaving_at_random_points_leave_no_engine_request_or_block(
         return job
 
     jobs: list[Callable[[], None]] = []
-    for _ in range(60):
+    for _ in range(200):  # the count
         choice = rng.random()
         if choice < 0.3:
             jobs.append(leave_while_queued)

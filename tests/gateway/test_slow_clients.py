@@ -149,3 +149,45 @@ def test_lagging_reader_gets_coalesced_tokens_whose_ids_resume_exactly(
     before = token_text(events[: events.index(middle) + 1])
     assert before + token_text(after) == token_text(events)
     assert after[-1].event == "done"
+
+
+@pytest.mark.timeout(180)
+def test_a_reader_stuck_for_a_minute_costs_the_other_streams_nothing() -> None:
+    """The issue's case at full length: a client stops reading for 60 s (the send timeout
+    is longer, so it is not dropped) while its stream keeps producing 1,000 tokens a
+    second. A stream read meanwhile keeps its 20 ms pace, and the server's memory stays
+    bounded: the log keeps at most --max-log-events per stream, nothing is queued per
+    connection."""
+    options = ["--no-model", "--send-timeout", "120", "--max-log-events", "5000"]
+    with ServerProcess(*options, send_buffer_bytes=32 * 1024) as server:
+        server.wait_ready()
+        rss_before = server.rss_bytes()
+        words = [f"w{i:019d}" for i in range(70_000)]  # 70 s of tokens at 1 ms, ~4 MB
+        stuck = httpx.post(
+            f"{server.base_url}/v1/streams",
+            json={"prompt": " ".join(words), "interval_ms": 1, "model": "words"},
+        ).json()
+        response = open_get(server.port, stuck["events_url"], receive_buffer_bytes=4096)
+        num_ticks = 3000  # 60 s at 20 ms
+        tick = httpx.post(
+            f"{server.base_url}/v1/streams",
+            json={"prompt": "tick " * num_ticks, "interval_ms": 20, "model": "words"},
+        ).json()
+        ticks: list[float] = []
+        decoder = Decoder()
+        try:
+            url = f"{server.base_url}{tick['events_url']}"
+            with httpx.stream("GET", url, timeout=30) as ticking:
+                for piece in ticking.iter_raw():
+                    ticks += [time.monotonic() for e in decoder.feed(piece) if e.event == "token"]
+            held = describe(server, stuck["id"])
+            assert held["readers"] == 1  # still attached, never drained
+            assert held["state"] == "running"
+            rss_growth = server.rss_bytes() - rss_before
+        finally:
+            response.close()
+    assert len(ticks) == num_ticks
+    gaps = sorted(b - a for a, b in itertools.pairwise(ticks))
+    assert gaps[len(gaps) // 2] < 0.05  # the 20 ms pace, not the stuck client's
+    assert gaps[-1] < 1.0
+    assert rss_growth < 64 * 1024 * 1024

@@ -34,10 +34,12 @@ from torch import nn
 from sluice.engine.kv_cache import KVCache
 from sluice.engine.models.step import (
     StepError,
+    StepLayout,
     StepSequence,
     check_step,
     last_token_indices,
     packed_slots,
+    paged_attention,
 )
 
 __all__ = ["GPT2Config", "GPT2LMHeadModel", "GPT2StepError", "StepSequence"]
@@ -124,28 +126,14 @@ class GPT2Attention(nn.Module):
         hidden: torch.Tensor,
         positions: torch.Tensor,
         slots: torch.Tensor,
-        seqs: Sequence[StepSequence],
+        layout: StepLayout,
         kv_cache: KVCache,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv: torch.Tensor = self.c_attn(hidden)
         q, k, v = qkv.view(num_tokens, 3, self.num_heads, self.head_dim).unbind(dim=1)
         kv_cache.write(self.layer_index, slots, k, v)
-        outputs = []
-        for seq in seqs:
-            seq_q = q[seq.start : seq.end].transpose(0, 1)  # [heads, num_new, dim]
-            seq_k, seq_v = kv_cache.gather(self.layer_index, seq.block_table, seq.context_len)
-            # Query at position p attends to keys at positions 0..p.
-            key_positions = torch.arange(seq.context_len, device=hidden.device)
-            mask = key_positions[None, :] <= positions[seq.start : seq.end, None]
-            attended = F.scaled_dot_product_attention(
-                seq_q,
-                seq_k.transpose(0, 1).to(seq_q.dtype),
-                seq_v.transpose(0, 1).to(seq_q.dtype),
-                attn_mask=mask,
-            )
-            outputs.append(attended.transpose(0, 1).reshape(seq.num_new_tokens, -1))
-        out: torch.Tensor = self.c_proj(torch.cat(outputs, dim=0))
+        out: torch.Tensor = self.c_proj(paged_attention(q, layout, kv_cache, self.layer_index))
         return out
 
 
@@ -174,10 +162,10 @@ class GPT2Block(nn.Module):
         hidden: torch.Tensor,
         positions: torch.Tensor,
         slots: torch.Tensor,
-        seqs: Sequence[StepSequence],
+        layout: StepLayout,
         kv_cache: KVCache,
     ) -> torch.Tensor:
-        hidden = hidden + self.attn(self.ln_1(hidden), positions, slots, seqs, kv_cache)
+        hidden = hidden + self.attn(self.ln_1(hidden), positions, slots, layout, kv_cache)
         out: torch.Tensor = hidden + self.mlp(self.ln_2(hidden))
         return out
 
@@ -253,10 +241,11 @@ class GPT2LMHeadModel(nn.Module):
             max_positions=config.n_positions,
         )
         slots = packed_slots(positions, seqs, kv_cache)
+        layout = StepLayout.of(seqs, positions, kv_cache.block_size)
         transformer = self.transformer
         hidden: torch.Tensor = transformer.wte(input_ids) + transformer.wpe(positions)
         for block in transformer.h:
-            hidden = block(hidden, positions, slots, seqs, kv_cache)
+            hidden = block(hidden, positions, slots, layout, kv_cache)
         last = last_token_indices(seqs, hidden.device)
         logits: torch.Tensor = self.lm_head(transformer.ln_f(hidden[last]))
         return logits

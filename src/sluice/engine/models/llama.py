@@ -32,7 +32,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice.engine.kv_cache import KVCache
-from sluice.engine.models.step import StepSequence, check_step, last_token_indices, packed_slots
+from sluice.engine.models.step import (
+    StepLayout,
+    StepSequence,
+    check_step,
+    last_token_indices,
+    packed_slots,
+    paged_attention,
+)
 
 __all__ = ["LlamaConfig", "LlamaForCausalLM"]
 
@@ -215,7 +222,7 @@ class LlamaAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         slots: torch.Tensor,
-        seqs: Sequence[StepSequence],
+        layout: StepLayout,
         kv_cache: KVCache,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -225,25 +232,7 @@ class LlamaAttention(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         kv_cache.write(self.layer_index, slots, k, v)
-        group = self.num_heads // self.num_kv_heads
-        outputs = []
-        for seq in seqs:
-            seq_q = q[seq.start : seq.end].transpose(0, 1)  # [heads, num_new, dim]
-            seq_k, seq_v = kv_cache.gather(self.layer_index, seq.block_table, seq.context_len)
-            if group > 1:
-                seq_k = seq_k.repeat_interleave(group, dim=1)
-                seq_v = seq_v.repeat_interleave(group, dim=1)
-            # Query at position p attends to keys at positions 0..p.
-            key_positions = torch.arange(seq.context_len, device=hidden.device)
-            mask = key_positions[None, :] <= positions[seq.start : seq.end, None]
-            attended = F.scaled_dot_product_attention(
-                seq_q,
-                seq_k.transpose(0, 1).to(seq_q.dtype),
-                seq_v.transpose(0, 1).to(seq_q.dtype),
-                attn_mask=mask,
-            )
-            outputs.append(attended.transpose(0, 1).reshape(seq.num_new_tokens, -1))
-        out: torch.Tensor = self.o_proj(torch.cat(outputs, dim=0))
+        out: torch.Tensor = self.o_proj(paged_attention(q, layout, kv_cache, self.layer_index))
         return out
 
 
@@ -277,11 +266,11 @@ class LlamaDecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         slots: torch.Tensor,
-        seqs: Sequence[StepSequence],
+        layout: StepLayout,
         kv_cache: KVCache,
     ) -> torch.Tensor:
         hidden = hidden + self.self_attn(
-            self.input_layernorm(hidden), positions, cos, sin, slots, seqs, kv_cache
+            self.input_layernorm(hidden), positions, cos, sin, slots, layout, kv_cache
         )
         out: torch.Tensor = hidden + self.mlp(self.post_attention_layernorm(hidden))
         return out
@@ -362,12 +351,13 @@ class LlamaForCausalLM(nn.Module):
             max_positions=config.n_positions,
         )
         slots = packed_slots(positions, seqs, kv_cache)
+        layout = StepLayout.of(seqs, positions, kv_cache.block_size)
         hidden: torch.Tensor = self.model.embed_tokens(input_ids)
         cos, sin = rotary_cos_sin(
             positions, self.config.head_dim, self.config.rope_theta, hidden.dtype
         )
         for layer in self.model.layers:
-            hidden = layer(hidden, positions, cos, sin, slots, seqs, kv_cache)
+            hidden = layer(hidden, positions, cos, sin, slots, layout, kv_cache)
         last = last_token_indices(seqs, hidden.device)
         logits: torch.Tensor = self.lm_head(self.model.norm(hidden[last]))
         return logits

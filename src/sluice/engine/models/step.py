@@ -7,10 +7,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from sluice.engine.kv_cache import KVCache, num_blocks_for
 
-__all__ = ["StepError", "StepSequence", "check_step", "last_token_indices", "packed_slots"]
+__all__ = [
+    "DecodeBatch",
+    "StepError",
+    "StepLayout",
+    "StepSequence",
+    "check_step",
+    "last_token_indices",
+    "packed_slots",
+    "paged_attention",
+]
 
 
 class StepError(ValueError):
@@ -108,3 +118,94 @@ def packed_slots(
 def last_token_indices(seqs: Sequence[StepSequence], device: torch.device) -> torch.Tensor:
     """The packed index of each sequence's last new token (where its logits come from)."""
     return torch.tensor([seq.end - 1 for seq in seqs], device=device)
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """The decoding sequences of a step, attended in one call."""
+
+    rows: torch.Tensor  # packed index of each one's new token
+    tables: torch.Tensor  # [num_decodes, max_blocks] block tables, padded with block 0
+    mask: torch.Tensor  # [num_decodes, 1, 1, max_context]: key position < context_len
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """How one step's packed tokens attend, worked out once per step for every layer.
+
+    Decoding sequences (one new token each) attend in ONE batched call: their block tables
+    padded to ``[num_decodes, max_blocks]`` gather their keys and values at once, and a
+    mask hides each one's padding. Sequences with several new tokens (prefill chunks)
+    attend one by one, each with its causal mask. Mixing both in one padded batch would
+    pad every decode to the longest chunk.
+    """
+
+    seqs: Sequence[StepSequence]
+    positions: torch.Tensor
+    decodes: DecodeBatch | None
+    chunks: tuple[StepSequence, ...]
+
+    @classmethod
+    def of(
+        cls, seqs: Sequence[StepSequence], positions: torch.Tensor, block_size: int
+    ) -> StepLayout:
+        device = positions.device
+        decodes = [seq for seq in seqs if seq.num_new_tokens == 1]
+        chunks = tuple(seq for seq in seqs if seq.num_new_tokens > 1)
+        if len(decodes) < 2:  # nothing to batch: every sequence attends alone
+            return cls(seqs, positions, None, tuple(seqs))
+        max_context = max(seq.context_len for seq in decodes)
+        max_blocks = num_blocks_for(max_context, block_size)
+        tables = torch.zeros((len(decodes), max_blocks), dtype=torch.long)
+        for row, seq in enumerate(decodes):
+            num_blocks = num_blocks_for(seq.context_len, block_size)
+            tables[row, :num_blocks] = torch.as_tensor(seq.block_table[:num_blocks])
+        lengths = torch.tensor([seq.context_len for seq in decodes])
+        mask = torch.arange(max_context)[None, :] < lengths[:, None]
+        rows = torch.tensor([seq.start for seq in decodes])
+        batch = DecodeBatch(rows.to(device), tables.to(device), mask[:, None, None, :].to(device))
+        return cls(seqs, positions, batch, chunks)
+
+
+def paged_attention(
+    q: torch.Tensor, layout: StepLayout, kv_cache: KVCache, layer: int
+) -> torch.Tensor:
+    """Attention of the packed queries ``q`` (``[num_tokens, heads, dim]``) over the
+    cache; ``[num_tokens, heads * dim]``. Grouped-query caches (fewer KV heads) are
+    expanded to the query heads."""
+    num_tokens, num_heads, head_dim = q.shape
+    group = num_heads // kv_cache.num_kv_heads
+    out = torch.empty_like(q)
+    decodes = layout.decodes
+    if decodes is not None:
+        num_decodes, max_blocks = decodes.tables.shape
+        max_context = decodes.mask.shape[-1]
+        shape = (num_decodes, max_blocks * kv_cache.block_size, kv_cache.num_kv_heads, head_dim)
+        keys = kv_cache.k[layer][decodes.tables].reshape(shape)[:, :max_context]
+        values = kv_cache.v[layer][decodes.tables].reshape(shape)[:, :max_context]
+        keys = keys.transpose(1, 2).to(q.dtype)  # [num_decodes, kv_heads, context, dim]
+        values = values.transpose(1, 2).to(q.dtype)
+        if group > 1:
+            keys = keys.repeat_interleave(group, dim=1)
+            values = values.repeat_interleave(group, dim=1)
+        queries = q[decodes.rows][:, :, None, :]  # [num_decodes, heads, 1, dim]
+        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=decodes.mask)
+        out[decodes.rows] = attended[:, :, 0, :]
+    positions = layout.positions
+    for seq in layout.chunks:
+        seq_q = q[seq.start : seq.end].transpose(0, 1)  # [heads, num_new, dim]
+        seq_k, seq_v = kv_cache.gather(layer, seq.block_table, seq.context_len)
+        if group > 1:
+            seq_k = seq_k.repeat_interleave(group, dim=1)
+            seq_v = seq_v.repeat_interleave(group, dim=1)
+        # Query at position p attends to keys at positions 0..p.
+        key_positions = torch.arange(seq.context_len, device=q.device)
+        mask = key_positions[None, :] <= positions[seq.start : seq.end, None]
+        attended = F.scaled_dot_product_attention(
+            seq_q,
+            seq_k.transpose(0, 1).to(seq_q.dtype),
+            seq_v.transpose(0, 1).to(seq_q.dtype),
+            attn_mask=mask,
+        )
+        out[seq.start : seq.end] = attended.transpose(0, 1)
+    return out.reshape(num_tokens, num_heads * head_dim)
