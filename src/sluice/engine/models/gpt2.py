@@ -36,9 +36,8 @@ from sluice.engine.models.step import (
     StepError,
     StepLayout,
     StepSequence,
-    check_step,
+    begin_step,
     last_token_indices,
-    packed_slots,
     paged_attention,
 )
 
@@ -124,15 +123,13 @@ class GPT2Attention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
         layout: StepLayout,
         kv_cache: KVCache,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv: torch.Tensor = self.c_attn(hidden)
         q, k, v = qkv.view(num_tokens, 3, self.num_heads, self.head_dim).unbind(dim=1)
-        kv_cache.write(self.layer_index, slots, k, v)
+        kv_cache.write(self.layer_index, layout.slots, k, v)
         out: torch.Tensor = self.c_proj(paged_attention(q, layout, kv_cache, self.layer_index))
         return out
 
@@ -160,12 +157,10 @@ class GPT2Block(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
         layout: StepLayout,
         kv_cache: KVCache,
     ) -> torch.Tensor:
-        hidden = hidden + self.attn(self.ln_1(hidden), positions, slots, layout, kv_cache)
+        hidden = hidden + self.attn(self.ln_1(hidden), layout, kv_cache)
         out: torch.Tensor = hidden + self.mlp(self.ln_2(hidden))
         return out
 
@@ -230,7 +225,7 @@ class GPT2LMHeadModel(nn.Module):
         ``context_len - num_new_tokens .. context_len - 1`` for each sequence.
         """
         config = self.config
-        check_step(
+        layout = begin_step(
             input_ids,
             positions,
             seqs,
@@ -240,12 +235,10 @@ class GPT2LMHeadModel(nn.Module):
             head_dim=config.head_dim,
             max_positions=config.n_positions,
         )
-        slots = packed_slots(positions, seqs, kv_cache)
-        layout = StepLayout.of(seqs, positions, kv_cache.block_size)
         transformer = self.transformer
         hidden: torch.Tensor = transformer.wte(input_ids) + transformer.wpe(positions)
         for block in transformer.h:
-            hidden = block(hidden, positions, slots, layout, kv_cache)
+            hidden = block(hidden, layout, kv_cache)
         last = last_token_indices(seqs, hidden.device)
         logits: torch.Tensor = self.lm_head(transformer.ln_f(hidden[last]))
         return logits

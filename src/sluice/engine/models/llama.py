@@ -35,9 +35,8 @@ from sluice.engine.kv_cache import KVCache
 from sluice.engine.models.step import (
     StepLayout,
     StepSequence,
-    check_step,
+    begin_step,
     last_token_indices,
-    packed_slots,
     paged_attention,
 )
 
@@ -218,10 +217,8 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        slots: torch.Tensor,
         layout: StepLayout,
         kv_cache: KVCache,
     ) -> torch.Tensor:
@@ -231,7 +228,7 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        kv_cache.write(self.layer_index, slots, k, v)
+        kv_cache.write(self.layer_index, layout.slots, k, v)
         out: torch.Tensor = self.o_proj(paged_attention(q, layout, kv_cache, self.layer_index))
         return out
 
@@ -262,16 +259,12 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        slots: torch.Tensor,
         layout: StepLayout,
         kv_cache: KVCache,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(
-            self.input_layernorm(hidden), positions, cos, sin, slots, layout, kv_cache
-        )
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, layout, kv_cache)
         out: torch.Tensor = hidden + self.mlp(self.post_attention_layernorm(hidden))
         return out
 
@@ -340,7 +333,7 @@ class LlamaForCausalLM(nn.Module):
         ``context_len - num_new_tokens .. context_len - 1`` for each sequence.
         """
         config = self.config
-        check_step(
+        layout = begin_step(
             input_ids,
             positions,
             seqs,
@@ -350,14 +343,12 @@ class LlamaForCausalLM(nn.Module):
             head_dim=config.head_dim,
             max_positions=config.n_positions,
         )
-        slots = packed_slots(positions, seqs, kv_cache)
-        layout = StepLayout.of(seqs, positions, kv_cache.block_size)
         hidden: torch.Tensor = self.model.embed_tokens(input_ids)
         cos, sin = rotary_cos_sin(
             positions, self.config.head_dim, self.config.rope_theta, hidden.dtype
         )
         for layer in self.model.layers:
-            hidden = layer(hidden, positions, cos, sin, slots, layout, kv_cache)
+            hidden = layer(hidden, cos, sin, layout, kv_cache)
         last = last_token_indices(seqs, hidden.device)
         logits: torch.Tensor = self.lm_head(self.model.norm(hidden[last]))
         return logits

@@ -16,6 +16,7 @@ __all__ = [
     "StepError",
     "StepLayout",
     "StepSequence",
+    "begin_step",
     "check_step",
     "last_token_indices",
     "packed_slots",
@@ -142,18 +143,21 @@ class StepLayout:
 
     seqs: Sequence[StepSequence]
     positions: torch.Tensor
+    slots: torch.Tensor  # the cache slot of every packed token
     decodes: DecodeBatch | None
     chunks: tuple[StepSequence, ...]
 
     @classmethod
     def of(
-        cls, seqs: Sequence[StepSequence], positions: torch.Tensor, block_size: int
+        cls, seqs: Sequence[StepSequence], positions: torch.Tensor, kv_cache: KVCache
     ) -> StepLayout:
         device = positions.device
+        block_size = kv_cache.block_size
+        slots = packed_slots(positions, seqs, kv_cache)
         decodes = [seq for seq in seqs if seq.num_new_tokens == 1]
         chunks = tuple(seq for seq in seqs if seq.num_new_tokens > 1)
         if len(decodes) < 2:  # nothing to batch: every sequence attends alone
-            return cls(seqs, positions, None, tuple(seqs))
+            return cls(seqs, positions, slots, None, tuple(seqs))
         max_context = max(seq.context_len for seq in decodes)
         max_blocks = num_blocks_for(max_context, block_size)
         tables = torch.zeros((len(decodes), max_blocks), dtype=torch.long)
@@ -164,7 +168,32 @@ class StepLayout:
         mask = torch.arange(max_context)[None, :] < lengths[:, None]
         rows = torch.tensor([seq.start for seq in decodes])
         batch = DecodeBatch(rows.to(device), tables.to(device), mask[:, None, None, :].to(device))
-        return cls(seqs, positions, batch, chunks)
+        return cls(seqs, positions, slots, batch, chunks)
+
+
+def begin_step(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    seqs: Sequence[StepSequence],
+    kv_cache: KVCache,
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_positions: int,
+) -> StepLayout:
+    """Check a step's inputs (:func:`check_step`) and lay it out for every layer."""
+    check_step(
+        input_ids,
+        positions,
+        seqs,
+        kv_cache,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_positions=max_positions,
+    )
+    return StepLayout.of(seqs, positions, kv_cache)
 
 
 def paged_attention(
