@@ -30,12 +30,9 @@ from starlette.responses import JSONResponse, Response
 
 from sluice.dialects import anthropic, openai
 from sluice.errors import (
-    BadRequestError,
     CapacityError,
     ResumeGapError,
     SluiceError,
-    TenantLimitError,
-    UnknownModelError,
 )
 from sluice.events import Error, NeutralEvent
 from sluice.gateway.auth import RESUME_TOKEN_HEADER, Auth
@@ -47,9 +44,7 @@ from sluice.gateway.compat_requests import (
 )
 from sluice.gateway.errors import (
     REFUSAL_STATUS,
-    WWW_AUTHENTICATE,
-    AuthenticationError,
-    PayloadTooLargeError,
+    answer_for,
     retry_after,
 )
 from sluice.gateway.requests import read_json_body
@@ -171,20 +166,8 @@ class Dialect:
         return self.renderer().render(Error(code, message, retryable=False))[-1:]
 
 
-def _status_for(exc: SluiceError) -> int:
-    if isinstance(exc, AuthenticationError):
-        return 401
-    if isinstance(exc, UnknownModelError):
-        return 404
-    if isinstance(exc, PayloadTooLargeError):
-        return 413
-    if isinstance(exc, BadRequestError):
-        return 400
-    if isinstance(exc, TenantLimitError):
-        return 429
-    if isinstance(exc, CapacityError):
-        return 503
-    return 500
+# The codes OpenAI itself puts in ``error.code``; other errors leave it null, as OpenAI does.
+_OPENAI_CODES = frozenset({"model_not_found", "invalid_api_key"})
 
 
 class _EventStreamResponse(Response):
@@ -309,18 +292,12 @@ class CompatAPI:
     # -- errors in the dialect's shape ----------------------------------------------------
 
     def _error(self, kind: Kind, exc: SluiceError) -> Response:
-        status = _status_for(exc)
-        message = str(exc) if status < 500 else "internal server error"
-        headers = {}
-        if isinstance(exc, CapacityError):
-            headers["Retry-After"] = retry_after(exc.retry_after_s)
-        if isinstance(exc, AuthenticationError):
-            headers["WWW-Authenticate"] = WWW_AUTHENTICATE
-        code = "model_not_found" if isinstance(exc, UnknownModelError) else None
-        if isinstance(exc, AuthenticationError):
-            code = "invalid_api_key"
+        answer = answer_for(exc)
+        code = answer.code if answer.code in _OPENAI_CODES else None
         param = exc.param if isinstance(exc, InvalidParameterError) else None
-        return _error_response(kind, status, message, code=code, param=param, headers=headers)
+        return _error_response(
+            kind, answer.status, answer.message, code=code, param=param, headers=answer.headers
+        )
 
     def _refused(self, kind: Kind, error: Error, refusal: CapacityError | None) -> Response:
         status = REFUSAL_STATUS.get(error.type, 500)

@@ -6,6 +6,8 @@ every client of ours reads the same thing).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from starlette.responses import JSONResponse, Response
 
 from sluice.errors import (
@@ -23,9 +25,11 @@ __all__ = [
     "REFUSAL_STATUS",
     "WWW_AUTHENTICATE",
     "AuthenticationError",
+    "ErrorAnswer",
     "HeadersTooLargeError",
     "PayloadTooLargeError",
     "UrlTooLongError",
+    "answer_for",
     "error_response",
     "refusal_response",
     "response_for",
@@ -75,32 +79,52 @@ def error_response(
     return JSONResponse(payload, status_code=status, headers=headers)
 
 
+@dataclass(frozen=True, slots=True)
+class ErrorAnswer:
+    """What an error raised before a response started is answered with, in any dialect."""
+
+    status: int
+    code: str
+    message: str
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def answer_for(exc: SluiceError) -> ErrorAnswer:
+    """The status, code, message and headers for ``exc`` (one table for every dialect)."""
+    message = str(exc)
+    if isinstance(exc, AuthenticationError):
+        return ErrorAnswer(401, "invalid_api_key", message, {"WWW-Authenticate": WWW_AUTHENTICATE})
+    if isinstance(exc, StreamNotFoundError):
+        return ErrorAnswer(404, "stream_not_found", message)
+    if isinstance(exc, UnknownModelError):
+        return ErrorAnswer(404, "model_not_found", message)
+    if isinstance(exc, PayloadTooLargeError):
+        return ErrorAnswer(413, "payload_too_large", message)
+    if isinstance(exc, HeadersTooLargeError):
+        return ErrorAnswer(431, "headers_too_large", message)
+    if isinstance(exc, UrlTooLongError):
+        return ErrorAnswer(414, "url_too_long", message)
+    if isinstance(exc, BadEventIdError):
+        return ErrorAnswer(400, "bad_event_id", message)
+    if isinstance(exc, BadRequestError):
+        return ErrorAnswer(400, "invalid_request", message)
+    if isinstance(exc, TenantLimitError):
+        return ErrorAnswer(429, "rate_limited", message, _retry(exc))
+    if isinstance(exc, CapacityError):
+        return ErrorAnswer(503, "overloaded", message, _retry(exc))
+    return ErrorAnswer(500, "internal_error", "internal server error")
+
+
+def _retry(exc: CapacityError) -> dict[str, str]:
+    return {"Retry-After": retry_after(exc.retry_after_s)}
+
+
 def response_for(exc: SluiceError) -> Response:
     """The HTTP answer for an error raised before a response started."""
-    if isinstance(exc, AuthenticationError):
-        headers = {"WWW-Authenticate": WWW_AUTHENTICATE}
-        return error_response(401, "invalid_api_key", str(exc), headers=headers)
-    if isinstance(exc, StreamNotFoundError):
-        return error_response(404, "stream_not_found", str(exc))
-    if isinstance(exc, UnknownModelError):
-        return error_response(404, "model_not_found", str(exc))
-    if isinstance(exc, PayloadTooLargeError):
-        return error_response(413, "payload_too_large", str(exc))
-    if isinstance(exc, HeadersTooLargeError):
-        return error_response(431, "headers_too_large", str(exc))
-    if isinstance(exc, UrlTooLongError):
-        return error_response(414, "url_too_long", str(exc))
-    if isinstance(exc, BadEventIdError):
-        return error_response(400, "bad_event_id", str(exc))
-    if isinstance(exc, BadRequestError):
-        return error_response(400, "invalid_request", str(exc))
-    if isinstance(exc, TenantLimitError):
-        headers = {"Retry-After": retry_after(exc.retry_after_s)}
-        return error_response(429, "rate_limited", str(exc), headers=headers)
-    if isinstance(exc, CapacityError):
-        headers = {"Retry-After": retry_after(exc.retry_after_s)}
-        return error_response(503, "overloaded", str(exc), headers=headers)
-    return error_response(500, "internal_error", "internal server error")
+    answer = answer_for(exc)
+    return error_response(
+        answer.status, answer.code, answer.message, headers=answer.headers or None
+    )
 
 
 def retry_after(seconds: float) -> str:
