@@ -70,6 +70,7 @@ class _OpenAICommon(_Lenient):
     seed: _Seed | None = None
     stop: _Stop | Annotated[list[_Stop], Field(max_length=16)] | None = None
     n: Annotated[int, Field(ge=1, le=1)] = 1
+    ignore_eos: bool = False  # vLLM's extension: run all max_tokens past an end of text
 
 
 class _ChatBody(_OpenAICommon):
@@ -195,6 +196,7 @@ def parse_openai(payload: object, settings: Settings, *, chat: bool) -> CompatRe
         top_p=body.top_p,
         seed=body.seed,
         stop=_stops(body.stop),
+        ignore_eos=body.ignore_eos,
     )
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     model = body.model or settings.default_model
