@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.util
 import io
 import random
@@ -164,7 +165,14 @@ def _http(status: str, body: bytes, *headers: str) -> bytes:
 
 def _config(base_url: str, api: Api, *, timeout_s: float = 10.0) -> BenchConfig:
     return BenchConfig(
-        base_url, api, Load.CONCURRENCY, (2,), num_requests=3, max_tokens=4, timeout_s=timeout_s
+        base_url,
+        api,
+        Load.CONCURRENCY,
+        (2,),
+        num_requests=3,
+        max_tokens=4,
+        timeout_s=timeout_s,
+        honor_retry_after=False,  # these count replies; pacing has its own test
     )
 
 
@@ -178,6 +186,34 @@ def test_bench_counts_503_with_retry_after_as_refused(api: Api) -> None:
         assert (report.num_refused, report.num_errors, report.num_ok) == (3, 0, 0)
         assert report.max_retry_after_s == 7
         assert report.errors == {}
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("honor", [True, False])
+def test_closed_loop_worker_waits_the_retry_after_it_was_given(honor: bool) -> None:
+    """One worker for 1.5 s against a server that always refuses with Retry-After: 1: it
+    sends again only after a second or more (twice in all), or, told to ignore the hint,
+    at once."""
+    reply = _http("503 Service Unavailable", b'{"error": "full"}', "Retry-After: 1")
+    config = BenchConfig(
+        "http://127.0.0.1",
+        Api.OPENAI_COMPLETIONS,
+        Load.CONCURRENCY,
+        (1,),
+        num_requests=None,
+        duration_s=1.5,
+        honor_retry_after=honor,
+    )
+
+    async def scenario() -> None:
+        async with _scripted_server(POST=reply) as url:
+            [report] = await bench(dataclasses.replace(config, base_url=url))
+        assert report.num_ok == report.num_errors == 0
+        if honor:
+            assert 1 <= report.num_refused <= 2
+        else:
+            assert report.num_refused >= 5
 
     asyncio.run(scenario())
 

@@ -13,7 +13,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -224,7 +224,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SECONDS",
         help="refuse (503 + Retry-After) an engine request whose predicted time to first "
-        "token (queued prompt tokens / measured prefill rate) is over this (default: off)",
+        "token (a replay of the engine's scheduler with measured step costs, plus the time "
+        "the request already waited) is over this (default: off)",
+    )
+    serve.add_argument(
+        "--ttft-headroom",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="with --ttft-slo: the part of the objective kept for what the server cannot "
+        "see, the first token's way out through its event loop, the network and the client "
+        "(default: %(default)s)",
     )
     serve.add_argument(
         "--max-log-events",
@@ -400,8 +410,11 @@ class _Server(uvicorn.Server):
             self._captured_signals.remove(sig)
 
 
-def _embedded_engine(args: argparse.Namespace) -> tuple[str, Backend, AsyncEngine]:
-    """Load ``--model`` and put the embedded engine behind the Backend seam."""
+def _embedded_engine(
+    args: argparse.Namespace,
+) -> tuple[str, Backend, contextlib.AbstractAsyncContextManager[object]]:
+    """Load ``--model`` and put the embedded engine behind the Backend seam; the third item
+    runs the engine (its driver thread, warmed up) for the app's lifetime."""
     checkpoint = load_checkpoint(args.model)
     block_size = 16
     config = EngineConfig(
@@ -428,8 +441,16 @@ def _embedded_engine(args: argparse.Namespace) -> tuple[str, Backend, AsyncEngin
         chat_template=ChatTemplate.for_checkpoint(args.model),
         version=_weights_version(args.model),
         ttft_slo_s=args.ttft_slo,
+        ttft_headroom_s=args.ttft_headroom,
     )
-    return checkpoint.name, backend, driver
+    return checkpoint.name, backend, _warm_engine(driver, backend)
+
+
+@contextlib.asynccontextmanager
+async def _warm_engine(driver: AsyncEngine, backend: EngineBackend) -> AsyncIterator[object]:
+    async with driver:
+        await backend.warm_up()
+        yield driver
 
 
 def _weights_version(directory: Path) -> str:
@@ -544,12 +565,12 @@ def serve(args: argparse.Namespace) -> int:
         args.model = BUNDLED_MODEL
     if args.model is not None and not args.no_model:
         try:
-            name, backend, driver = _embedded_engine(args)
+            name, backend, engine = _embedded_engine(args)
         except (OSError, ValueError, ConfigError) as exc:
             print(f"sluice serve: --model {args.model}: {exc}", file=sys.stderr)
             return 2
         backends = {name: backend, **backends}  # the engine's model is the default
-        resources.append(driver)
+        resources.append(engine)
     if backends:
         settings = dataclasses.replace(settings, default_model=next(iter(backends)))
     app = create_app(settings, backends, resources, auth)

@@ -7,6 +7,9 @@ it is sent: TTFT to the first token event, one inter-token latency per gap betwe
 events, and its end. Outcomes are ``ok``, ``refused`` (HTTP 429 or 503 before any body:
 the server shed load, Retry-After noted) or ``error`` (any other status, an in-band error
 event, a transport error, a timeout). Streams are parsed with Sluice's own SSE decoder.
+In closed loop a refused worker waits what ``Retry-After`` asked (at most a minute, plus
+up to a quarter more so refused workers spread out) before its next request, as a
+well-behaved client does; ``--ignore-retry-after`` sends again at once.
 
 The native API is two requests: ``POST /v1/streams`` (non-resumable: a benchmark never
 reconnects) then ``GET`` of its ``events_url``; TTFT counts both. Figures are reduced and
@@ -62,6 +65,7 @@ MAX_SMALL_BODY_BYTES = 64 << 10  # a JSON reply (stream created, error body)
 MAX_LINE_BYTES = 1 << 20  # one SSE line: one chunk, however verbose
 MAX_REQUESTS_PER_LEVEL = 100_000  # caps --requests, and a --duration level (results kept)
 MAX_LEVEL = 4096  # workers, or requests per second
+MAX_RETRY_PAUSE_S = 60.0  # the longest a refused worker waits (the openai SDK's bound too)
 MAX_RETRY_AFTER_S = 86_400.0  # a larger or unparsable Retry-After is noted as this bound
 
 # The prompt's vocabulary: short common words, so "N words" is near N tokens for GPT-2.
@@ -102,6 +106,7 @@ class BenchConfig:
     seed: int = 0
     timeout_s: float = 60.0
     max_in_flight: int = 256  # open loop only: arrivals wait for a slot past this
+    honor_retry_after: bool = True  # closed loop: a refused worker waits its Retry-After
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -360,25 +365,34 @@ class _Level:
     def next_prompt(self) -> str:
         return build_prompt(self._prompts, self.config.prompt_tokens)
 
-    async def send(self, prompt: str) -> None:
+    async def send(self, prompt: str) -> RequestResult:
         result = await _measure(self.client, self.config, prompt)
         self.results.append(result)
         if self.progress is not None:
             self.progress.update(result)
+        return result
 
 
 async def _closed_loop(level: _Level, num_workers: int) -> None:
-    """``num_workers`` tasks, each sending its next request as soon as its last one ends."""
+    """``num_workers`` tasks, each sending its next request as soon as its last one ends;
+    a refused one first waits what ``Retry-After`` asked, plus up to a quarter more (jitter,
+    so refused workers do not return in step), as a well-behaved client does."""
     config = level.config
     loop = asyncio.get_running_loop()
     deadline = math.inf if config.duration_s is None else loop.time() + config.duration_s
     tickets = iter(range(config.num_requests or MAX_REQUESTS_PER_LEVEL))
+    jitter = random.Random(config.seed)
 
     async def worker() -> None:
         for _ in tickets:  # shared by all workers: one ticket per request
             if loop.time() >= deadline:
                 return
-            await level.send(level.next_prompt())
+            result = await level.send(level.next_prompt())
+            pause_s = result.retry_after_s if config.honor_retry_after else None
+            if result.outcome is Outcome.REFUSED and pause_s:
+                pause_s *= 1 + jitter.random() / 4
+                pause_s = min(pause_s, MAX_RETRY_PAUSE_S, deadline - loop.time())
+                await asyncio.sleep(pause_s)  # pacing the load as the server asked
 
     async with asyncio.TaskGroup() as tasks:
         for _ in range(num_workers):
@@ -517,6 +531,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="open loop: most requests open at once; arrivals past it wait (default: %(default)s)",
     )
+    parser.add_argument(
+        "--ignore-retry-after",
+        action="store_true",
+        help="closed loop: send again at once after a refusal (default: wait its Retry-After)",
+    )
     output = parser.add_argument_group("output")
     output.add_argument("--json", type=Path, metavar="PATH", help="write every figure as JSON")
     output.add_argument("--plot", type=Path, metavar="PATH.png", help="plot (needs matplotlib)")
@@ -544,6 +563,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         timeout_s=args.timeout,
         max_in_flight=args.max_in_flight,
+        honor_retry_after=not args.ignore_retry_after,
     )
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sluice.backends.base import GenerationRequest
-from sluice.backends.engine import EngineBackend, PrefillMeter
+from sluice.backends.engine import EngineBackend
 from sluice.engine.driver import AsyncEngine
 from sluice.engine.engine import Engine, EngineConfig
 from sluice.engine.models import GPT2Config, GPT2LMHeadModel
@@ -223,66 +223,44 @@ async def test_admission_errors_are_translated(setup: Setup) -> None:
         await first_iter.aclose()  # type: ignore[attr-defined]
 
 
-def test_prefill_meter_predicts_nothing_until_it_has_a_rate_and_a_queue() -> None:
-    meter = PrefillMeter(min_window_s=0.1)
-    assert meter.predicted_ttft_s(1000) == 0.0  # no rate measured yet
-    meter.queued(100, now=0.0)
-    meter.queued(300, now=0.0)
-    meter.prefilled(100, now=0.05)  # a window shorter than min_window_s: no sample yet
-    assert meter.tokens_per_s is None
-    meter.prefilled(300, now=0.2)  # the queue empties: the window closes
-    assert meter.tokens_per_s == pytest.approx(400 / 0.2)
-    assert meter.num_queued_tokens == 0
-    assert meter.predicted_ttft_s(1000) == 0.0  # alone in the queue: never refused
-
-
-def test_prefill_meter_rate_is_an_ewma_and_prediction_counts_the_queue() -> None:
-    meter = PrefillMeter(alpha=0.5, min_window_s=0.1)
-    meter.queued(200, now=0.0)
-    meter.prefilled(200, now=1.0)  # 200 tokens/s
-    meter.queued(100, now=2.0)
-    meter.prefilled(100, now=3.0)  # 100 tokens/s
-    assert meter.tokens_per_s == pytest.approx(150.0)
-    meter.queued(300, now=4.0)
-    assert meter.predicted_ttft_s(150) == pytest.approx((300 + 150) / 150.0)
-    meter.dropped(300, now=4.5)  # left without output: nothing measured
-    assert meter.tokens_per_s == pytest.approx(150.0)
-    assert meter.num_queued_tokens == 0
-
-
 async def test_request_predicted_over_the_ttft_slo_is_refused_before_it_is_queued(
     setup: Setup,
 ) -> None:
+    """make_engine runs 4 sequences: a fifth waits for the first of them to end."""
     async with AsyncEngine(make_engine(setup)) as driver:
         backend = EngineBackend(
             "tiny", driver, setup.tokenizer, default_max_tokens=4, ttft_slo_s=0.5
         )
-        backend.meter.tokens_per_s = 10.0  # as if measured under load
-        backend.meter.queued(20, now=0.0)  # 2 s of prompts ahead
+        backend.step_cost.coefficients = (0.1, 0.0, 0.0)  # as if measured: 0.1 s a step
+        for key in range(4):  # four decoding, the first ends in 10 steps
+            backend.predictor.queued(key, 8, 10 + key, now=0.0)
+            backend.predictor.generated(key, 1, produced_at=0.0, now=0.0)
         refused = backend.generate(GenerationRequest(PROMPT))
         with pytest.raises(CapacityError) as excinfo:
             await refused.start()
         assert excinfo.value.reason == "ttft_slo"
-        assert excinfo.value.retry_after_s >= 1.5
+        assert excinfo.value.retry_after_s >= 0.5
         assert await driver.call(lambda engine: engine.num_requests) == 0
-        backend.meter.dropped(20, now=0.1)
+        backend.predictor.left(0)  # a slot is free: one step to the first token
         admitted = backend.generate(GenerationRequest(PROMPT))
-        await admitted.start()  # nothing queued ahead: admitted
-        assert backend.meter.num_queued_tokens == len(setup.tokenizer.encode(PROMPT))
+        await admitted.start()
+        assert backend.predictor.num_queued_tokens == len(setup.tokenizer.encode(PROMPT))
         await admitted.abort()
-        assert backend.meter.num_queued_tokens == 0
+        assert backend.predictor.num_queued_tokens == 0
 
 
-async def test_meter_measures_the_engine_and_forgets_every_ended_request(setup: Setup) -> None:
+async def test_predictor_follows_the_engine_and_forgets_every_ended_request(
+    setup: Setup,
+) -> None:
     """Finished, cancelled-while-queued and cancelled-mid-decode requests all leave the
-    queue count; the first outputs give the meter a rate."""
+    predictor; the engine's steps (at least ten) fit its step cost."""
     async with AsyncEngine(make_engine(setup)) as driver:
         backend = EngineBackend("tiny", driver, setup.tokenizer, default_max_tokens=4)
         hub = StreamHub(MemoryEventLog(), {"tiny": backend}, HubSettings(default_grace_s=5.0))
         async with hub.running():
             streams = [
                 await hub.create("tiny", GenerationRequest(PROMPT, max_tokens=n))
-                for n in (2, 3, 50, 50, 50, 50, 50)
+                for n in (9, 10, 50, 50, 50, 50, 50)
             ]
             hub.cancel(streams[-1].id)  # very likely still queued
             for stream in streams[:2]:
@@ -293,8 +271,9 @@ async def test_meter_measures_the_engine_and_forgets_every_ended_request(setup: 
                 hub.cancel(stream.id)
             for stream in streams[2:]:
                 await read_until_done(hub.open_reader(stream.id, 0))
-        assert backend.meter.num_queued_tokens == 0
-        assert backend.meter.tokens_per_s is not None
-        assert backend.meter.tokens_per_s > 0
+        assert backend.predictor.num_queued_tokens == 0
+        assert backend.predictor.predict_s(4, 4, limit_s=10.0) is not None
+        assert backend.step_cost.coefficients is not None
+        assert min(backend.step_cost.coefficients) >= 0
         stats = await driver.call(lambda engine: engine.block_manager_stats())
         assert stats.num_free_blocks == stats.num_blocks

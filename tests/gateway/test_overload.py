@@ -129,6 +129,62 @@ def test_three_times_the_engine_capacity_is_served_or_refused_with_retry_after(
     assert outcomes.count("refused") >= 1  # 30 at once cannot all fit in 2 + 8
 
 
+TTFT_SLO_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def slo_server() -> Iterator[ServerProcess]:
+    """The bundled model with 2 running sequences and a 2 s objective on time to first
+    token: 30 requests of 48 tokens at once would wait up to ~15 turns for a slot."""
+    options = ["--max-running", "2", "--ttft-slo", str(TTFT_SLO_S)]
+    with ServerProcess(*options, "--grace", "2") as server:
+        server.wait_ready()
+        yield server
+
+
+def test_requests_over_the_ttft_objective_are_refused_and_the_accepted_start_in_time(
+    slo_server: ServerProcess,
+) -> None:
+    """Three times what fits the objective, at once: each request is refused (503 +
+    Retry-After, before any body) or served whole, its first token within the SLO as the
+    client measures it."""
+    ttfts_s: list[float] = []
+    refusals: list[str] = []
+
+    def one() -> None:
+        url, body = chat(slo_server, 48)
+        body["ignore_eos"] = True  # every served request holds its slot for 48 tokens
+        sent = time.monotonic()
+        with httpx.stream("POST", url, json=body, timeout=60) as response:
+            if response.status_code != 200:
+                response.read()
+                assert_refused(response, (503,))
+                refusals.append(response.json()["error"]["message"])
+                return
+            decoder, first_token_at = Decoder(), None
+            data: list[str] = []
+            for piece in response.iter_raw():
+                for event in decoder.feed(piece):
+                    data.append(event.data)
+                    text = '"content":"' in event.data and '"content":""' not in event.data
+                    if first_token_at is None and text:
+                        first_token_at = time.monotonic()
+        assert data[-1] == "[DONE]"
+        assert first_token_at is not None
+        ttfts_s.append(first_token_at - sent)
+
+    run_all([one] * 30)
+    assert len(ttfts_s) + len(refusals) == 30
+    assert len(ttfts_s) >= 2
+    assert refusals, "30 x 48 tokens through 2 slots cannot all start within 2 s"
+    assert all("objective" in message for message in refusals), refusals[0]
+    assert max(ttfts_s) <= TTFT_SLO_S, sorted(ttfts_s)
+    metrics = httpx.get(f"{slo_server.base_url}/metrics").text
+    refused = [line for line in metrics.splitlines() if 'reason="ttft_slo"' in line]
+    assert refused[0].startswith("sluice_backend_refusals_total{")
+    assert float(refused[0].rsplit(" ", 1)[1]) == len(refusals)
+
+
 def engine_stats(server: ServerProcess) -> dict[str, int]:
     engines: dict[str, dict[str, int]] = httpx.get(f"{server.base_url}/readyz").json()["engines"]
     (stats,) = engines.values()

@@ -53,6 +53,9 @@ class GenerationRequest:
     # Generate all max_tokens even past an end-of-sequence token (benchmarks, tests; vLLM
     # accepts the same extension).
     ignore_eos: bool = False
+    # When the HTTP request began to arrive (time.monotonic()), if the server knows: time
+    # already spent counts against a time-to-first-token objective.
+    received_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

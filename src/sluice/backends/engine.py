@@ -7,10 +7,13 @@ before the stream's first event, translated at this boundary:
 
 - the scheduler's ``QueueFullError`` becomes :class:`~sluice.errors.CapacityError`
   (``retry_after_s=1``, reason ``queue_full``);
-- with a ``ttft_slo_s``, a request whose predicted time to first token is over it is
-  refused with :class:`~sluice.errors.CapacityError` (reason ``ttft_slo``) before it is
-  queued: the prediction is the prompt tokens queued ahead of it plus its own, divided by
-  the prefill rate a :class:`PrefillMeter` measures from the engine's outputs;
+- with a ``ttft_slo_s``, a request whose predicted time to first token (plus the time it
+  already spent in the server, from ``GenerationRequest.received_at``, plus
+  ``ttft_headroom_s``) is over it is refused with :class:`~sluice.errors.CapacityError`
+  (reason ``ttft_slo``) before it is queued:
+  :class:`~sluice.backends.admission.TtftPredictor` replays the scheduler over the requests
+  in the engine, with step costs fitted to the steps it ran, and
+  :class:`~sluice.backends.admission.RetryAfterPacer` sets the refusal's ``Retry-After``;
 - ``ValueError`` (an empty or too long prompt, a bad ``max_tokens``) becomes
   :class:`~sluice.errors.BadRequestError`;
 - the driver's errors (a failed step, a stopped driver) become a retryable
@@ -28,10 +31,12 @@ the driver: whoever starts it (``async with AsyncEngine(...)``) stops it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
+from sluice.backends.admission import RetryAfterPacer, StepCostModel, TtftPredictor
 from sluice.backends.base import Delta, GenerationRequest
 from sluice.backends.chat import SIMPLE_TEMPLATE, ChatTemplate
 from sluice.engine.driver import AsyncEngine, EngineDriverError, RequestStream
@@ -41,90 +46,19 @@ from sluice.engine.scheduler import QueueFullError
 from sluice.errors import BackendError, BadRequestError, CapacityError
 from sluice.events import FinishReason, TextDelta, Usage
 
-__all__ = ["EngineBackend", "EngineGeneration", "PrefillMeter", "PromptEncoder"]
+__all__ = ["Admission", "EngineBackend", "EngineGeneration", "PromptEncoder"]
 
 # Seconds a client is asked to wait when the engine's waiting queue is full.
 _QUEUE_FULL_RETRY_AFTER_S = 1.0
+# Text for the warm-up requests' prompts (any tokens do).
+_WARM_UP_TEXT = "Return the number of items in the sequence, or raise an error if it is empty."
+# A refusal's Retry-After is the predicted TTFT over the SLO, predicted up to this many SLOs.
+_RETRY_HORIZON_SLOS = 10.0
 
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 
 # Told the seconds from asking for an abort to the engine having applied it (blocks free).
 AbortObserver = Callable[[float], None]
-
-
-class PrefillMeter:
-    """Prompt tokens waiting for their first output, and the rate the engine clears them.
-
-    A request's prompt is *queued* from just before it is added to the engine until its
-    first output (its prefill is done) or until it leaves without one. While anything is
-    queued, the meter is busy: the prompt tokens cleared over each window of at least
-    ``min_window_s`` busy seconds are one sample of the rate, and the rate is an EWMA of
-    the samples (weight ``alpha``). The rate is measured under the load it predicts for:
-    decode steps sharing the token budget, batches full of running sequences and preemption
-    all slow it down, as they slow down the time to first token.
-
-    At low load a window holds one small request, so its sample understates what the engine
-    can clear in a batch; :meth:`predicted_ttft_s` is therefore never over the SLO for a
-    request that would be the only one queued (refusing it would help nobody).
-    Time is passed in (seconds on any monotonic clock), so the meter is pure and testable.
-    """
-
-    __slots__ = (
-        "_alpha",
-        "_min_window_s",
-        "_window_start",
-        "_window_tokens",
-        "num_queued_tokens",
-        "tokens_per_s",
-    )
-
-    def __init__(self, *, alpha: float = 0.25, min_window_s: float = 0.1) -> None:
-        if not 0 < alpha <= 1:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        if min_window_s <= 0:
-            raise ValueError(f"min_window_s must be positive, got {min_window_s}")
-        self._alpha = alpha
-        self._min_window_s = min_window_s
-        self.num_queued_tokens = 0
-        self.tokens_per_s: float | None = None  # None until the first sample
-        self._window_start = 0.0
-        self._window_tokens = 0
-
-    def predicted_ttft_s(self, num_tokens: int) -> float:
-        """Seconds until a prompt of ``num_tokens`` queued now would be prefilled (0 while
-        nothing is queued or no rate is known yet)."""
-        rate = self.tokens_per_s
-        if rate is None or not self.num_queued_tokens:
-            return 0.0
-        return (self.num_queued_tokens + num_tokens) / rate
-
-    def queued(self, num_tokens: int, now: float) -> None:
-        if not self.num_queued_tokens:
-            self._window_start = now
-            self._window_tokens = 0
-        self.num_queued_tokens += num_tokens
-
-    def prefilled(self, num_tokens: int, now: float) -> None:
-        """A queued prompt got its first output."""
-        self.num_queued_tokens -= num_tokens
-        self._window_tokens += num_tokens
-        self._sample(now)
-
-    def dropped(self, num_tokens: int, now: float) -> None:
-        """A queued prompt left without output (aborted, refused, failed)."""
-        self.num_queued_tokens -= num_tokens
-        self._sample(now)
-
-    def _sample(self, now: float) -> None:
-        elapsed = now - self._window_start
-        idle = not self.num_queued_tokens
-        if elapsed >= self._min_window_s or (idle and elapsed > 0):
-            if self._window_tokens:
-                sample = self._window_tokens / elapsed
-                rate = self.tokens_per_s
-                self.tokens_per_s = sample if rate is None else rate + self._alpha * (sample - rate)
-            self._window_start = now
-            self._window_tokens = 0
 
 
 class PromptEncoder(Protocol):
@@ -133,26 +67,38 @@ class PromptEncoder(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Admission:
+    """What the backend's generations share to decide admission: the predictor of their
+    time to first token, the pacer of refusals' Retry-After, and the SLO (None: off) with
+    the part of it kept for what the server cannot see: the first token's way out of its
+    event loop, over the network, and through the client."""
+
+    predictor: TtftPredictor
+    pacer: RetryAfterPacer
+    ttft_slo_s: float | None
+    ttft_headroom_s: float = 0.0  # of the SLO, kept for the way to the client
+
+
 class EngineGeneration:
     """One engine request, added when iteration starts; iterable once."""
 
     __slots__ = (
         "_aborted",
+        "_admission",
         "_chat",
         "_driver",
         "_encoder",
         "_finished",
         "_latest",
         "_max_tokens",
-        "_meter",
         "_num_prompt_tokens",
         "_on_abort_freed",
         "_params",
-        "_queued",
         "_request",
         "_started",
         "_stream",
-        "_ttft_slo_s",
+        "_tracked",
     )
 
     def __init__(
@@ -163,15 +109,13 @@ class EngineGeneration:
         request: GenerationRequest,
         params: SamplingParams,
         max_tokens: int,
-        meter: PrefillMeter | None = None,
-        ttft_slo_s: float | None = None,
+        admission: Admission,
         on_abort_freed: AbortObserver | None = None,
     ) -> None:
         self._driver = driver
         self._on_abort_freed = on_abort_freed
-        self._meter = meter or PrefillMeter()
-        self._ttft_slo_s = ttft_slo_s
-        self._queued = False  # counted in the meter's queued prompt tokens
+        self._admission = admission
+        self._tracked = False  # counted among the predictor's requests
         self._encoder = encoder
         self._chat = chat
         self._request = request
@@ -202,55 +146,68 @@ class EngineGeneration:
             params = _request_params(self._params, self._request, self._max_tokens)
         except ValueError as exc:
             raise BadRequestError(str(exc)) from exc
-        self._admit()  # reserves its prompt in the meter, so concurrent starts see it
+        self._admit()  # counts it in the predictor at once, so concurrent starts see it
         try:
             stream = await self._driver.add_request(prompt_ids, params)
         except QueueFullError as exc:
-            self._leave_queue(prefilled=False)
+            self._leave()
+            now = time.monotonic()
+            retry_after_s = self._admission.pacer.retry_after_s(_QUEUE_FULL_RETRY_AFTER_S, now)
+            self._admission.pacer.refused(now)
             raise CapacityError(
                 f"the engine's waiting queue is full: {exc}",
-                retry_after_s=_QUEUE_FULL_RETRY_AFTER_S,
+                retry_after_s=retry_after_s,
                 reason="queue_full",
             ) from exc
         except ValueError as exc:
-            self._leave_queue(prefilled=False)
+            self._leave()
             raise BadRequestError(str(exc)) from exc
         except EngineDriverError as exc:
-            self._leave_queue(prefilled=False)
+            self._leave()
             raise BackendError(str(exc), retryable=True) from exc
         except BaseException:
-            self._leave_queue(prefilled=False)
+            self._leave()
             raise
         self._stream = stream
         if self._abort_requested():  # abort() ran while the request was being added
             self._finished = True
-            self._leave_queue(prefilled=False)
+            self._leave()
             await self._abort_engine(stream.request_id)
 
     def _admit(self) -> None:
         """Refuse the request if its predicted time to first token is over the SLO; else
-        count its prompt as queued."""
-        meter, num_tokens = self._meter, self._num_prompt_tokens
-        slo_s = self._ttft_slo_s
+        count it among the engine's requests."""
+        admission, num_tokens = self._admission, self._num_prompt_tokens
+        predictor, max_tokens = admission.predictor, self._max_tokens
+        slo_s = admission.ttft_slo_s
+        predicted_s = None
+        now = time.monotonic()
         if slo_s is not None:
-            predicted_s = meter.predicted_ttft_s(num_tokens)
-            if predicted_s > slo_s:
+            # Replayed past the SLO, so that Retry-After says when the queue ahead is gone.
+            limit_s = _RETRY_HORIZON_SLOS * slo_s
+            predicted_s = predictor.predict_s(num_tokens, max_tokens, limit_s=limit_s)
+            received_at = self._request.received_at
+            spent_s = 0.0 if received_at is None else max(0.0, now - received_at)
+            total_s = None if predicted_s is None else spent_s + predicted_s
+            if total_s is not None and total_s + admission.ttft_headroom_s > slo_s:
+                excess_s = total_s + admission.ttft_headroom_s - slo_s
+                retry_after_s = admission.pacer.retry_after_s(excess_s, now)
+                admission.pacer.refused(now)
                 raise CapacityError(
-                    f"predicted time to first token {predicted_s:.2f} s is over the "
-                    f"{slo_s:g} s objective ({meter.num_queued_tokens} prompt tokens queued)",
-                    retry_after_s=max(1.0, predicted_s - slo_s),
+                    f"predicted time to first token {total_s:.2f} s is over the "
+                    f"{slo_s:g} s objective (less {admission.ttft_headroom_s:g} s headroom)",
+                    retry_after_s=retry_after_s,
                     reason="ttft_slo",
                 )
-        meter.queued(num_tokens, time.monotonic())
-        self._queued = True
+        admission.pacer.admitted(now)
+        predictor.queued(self, num_tokens, max_tokens, now, predicted_s)
+        self._tracked = True
 
-    def _leave_queue(self, *, prefilled: bool) -> None:
-        if self._queued:
-            self._queued = False
-            if prefilled:
-                self._meter.prefilled(self._num_prompt_tokens, time.monotonic())
-            else:
-                self._meter.dropped(self._num_prompt_tokens, time.monotonic())
+    def _leave(self) -> None:
+        """Leave the predictor's requests (at the end, however it came)."""
+        if self._tracked:
+            self._tracked = False
+            self._admission.predictor.left(self)
 
     def __aiter__(self) -> AsyncIterator[Delta]:
         if self._started:
@@ -265,8 +222,10 @@ class EngineGeneration:
             return
         try:
             async for output in stream:
-                if self._queued:
-                    self._leave_queue(prefilled=True)
+                if self._tracked:
+                    self._admission.predictor.generated(
+                        self, output.num_completion_tokens, output.produced_at, time.monotonic()
+                    )
                 self._latest = output
                 reason = None
                 if output.finished:
@@ -279,7 +238,7 @@ class EngineGeneration:
             self._finished = True  # the driver has already dropped the request
             raise BackendError(str(exc), retryable=True) from exc
         finally:
-            self._leave_queue(prefilled=False)
+            self._leave()
             if not self._finished:  # cancelled, aborted or abandoned: free the blocks
                 self._finished = True
                 await self._abort_engine(stream.request_id)
@@ -291,7 +250,7 @@ class EngineGeneration:
         """Abort the engine request and wait until its KV blocks are free (idempotent;
         safe before the start and after the end)."""
         self._aborted = True
-        self._leave_queue(prefilled=False)
+        self._leave()
         if self._stream is not None and not self._finished:
             self._finished = True
             await self._abort_engine(self._stream.request_id)
@@ -350,11 +309,16 @@ class EngineBackend:
         chat_template: ChatTemplate | None = None,
         version: str = "",
         ttft_slo_s: float | None = None,
+        ttft_headroom_s: float = 0.0,
     ) -> None:
         if default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be at least 1, got {default_max_tokens}")
         if ttft_slo_s is not None and not ttft_slo_s > 0:
             raise ValueError(f"ttft_slo_s must be positive, got {ttft_slo_s}")
+        if not 0 <= ttft_headroom_s < (ttft_slo_s or math.inf):
+            raise ValueError(
+                f"ttft_headroom_s must be at least 0 and under the SLO, got {ttft_headroom_s}"
+            )
         self._model = model_name
         self._driver = driver
         self._tokenizer = tokenizer
@@ -364,7 +328,13 @@ class EngineBackend:
         self.version = version  # the ``model_version`` metrics label
         # Off (None) by default: refusing on a prediction is an operator's choice.
         self.ttft_slo_s = ttft_slo_s
-        self.meter = PrefillMeter()
+        config = driver.config
+        self.step_cost = StepCostModel()
+        self.predictor = TtftPredictor(
+            config.max_num_seqs, config.max_num_batched_tokens, self.step_cost
+        )
+        self._admission = Admission(self.predictor, RetryAfterPacer(), ttft_slo_s, ttft_headroom_s)
+        driver.set_step_observer(self.step_cost.observe)
         self._on_abort_freed: AbortObserver | None = None
 
     def set_abort_observer(self, observer: AbortObserver | None) -> None:
@@ -385,10 +355,32 @@ class EngineBackend:
             request,
             self._params,
             max_tokens,
-            self.meter,
-            self.ttft_slo_s,
+            self._admission,
             self._on_abort_freed,
         )
+
+    async def warm_up(self) -> None:
+        """Run throwaway greedy requests on the started driver, so torch's first-call
+        costs are paid before the first client comes: a short and a long prompt (16 and
+        8 tokens). With a TTFT objective, also a batch that fills the step's token budget
+        and decodes side by side, so the step-cost model has seen full steps before it
+        predicts for a burst."""
+        token_ids = self._tokenizer.encode(_WARM_UP_TEXT)
+        config = self._driver.config
+        jobs = [(8, 16), (96, 8)]  # (prompt tokens, max_tokens)
+        if self.ttft_slo_s is not None:
+            num_batch = min(32, config.max_num_seqs)
+            prompt_len = max(1, config.max_num_batched_tokens // 8)
+            jobs += [(prompt_len, 8)] * num_batch
+        streams = []
+        for prompt_len, max_tokens in jobs:
+            prompt_len = min(prompt_len, config.max_model_len - max_tokens)
+            prompt = (token_ids * (1 + prompt_len // len(token_ids)))[:prompt_len]
+            params = SamplingParams(max_tokens, temperature=0, ignore_eos=True)
+            streams.append(await self._driver.add_request(prompt, params))
+        for stream in streams:
+            async for _ in stream:
+                pass
 
     async def stats(self) -> dict[str, int]:
         """The engine's queues and KV cache right now (for ``/readyz`` and operators)."""
@@ -405,8 +397,10 @@ class EngineBackend:
             }
 
         stats = await self._driver.call(snapshot)
-        stats["queued_prompt_tokens"] = self.meter.num_queued_tokens
-        stats["prefill_tokens_per_s"] = round(self.meter.tokens_per_s or 0)
+        stats["queued_prompt_tokens"] = self.predictor.num_queued_tokens
+        step_s = self.step_cost.step_s(0, stats["running"])
+        stats["decode_step_ms"] = -1 if step_s is None else round(step_s * 1000)
+        stats["ttft_error_ratio_pct"] = round(self.predictor.ratio * 100)
         return stats
 
     async def aclose(self) -> None:

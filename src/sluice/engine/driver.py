@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
-from sluice.engine.engine import Engine, RequestOutput
+from sluice.engine.engine import Engine, EngineConfig, RequestOutput, StepStats
 from sluice.engine.sampling_params import SamplingParams
 
 __all__ = [
@@ -170,6 +170,14 @@ class AsyncEngine:
         self._exited: concurrent.futures.Future[None] | None = None
         # Engine-thread state: the live requests' sinks.
         self._sinks: dict[int, _Sink] = {}
+        self._step_observer: Callable[[StepStats], None] | None = None
+
+    def set_step_observer(self, observer: Callable[[StepStats], None] | None) -> None:
+        """Tell ``observer`` each completed step's :class:`~sluice.engine.engine.StepStats`.
+
+        It is called ON THE ENGINE THREAD right after the step, so it must be quick and
+        thread-safe (the admission predictor fits its step-cost model there)."""
+        self._step_observer = observer
 
     # -- lifecycle (event loop) -----------------------------------------------------------
 
@@ -208,6 +216,11 @@ class AsyncEngine:
             )
             return
         thread.join(timeout=self._join_timeout_s)  # it has left its loop: this is at once
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's limits (frozen: safe to read from the loop)."""
+        return self._engine.config
 
     @property
     def is_running(self) -> bool:
@@ -331,6 +344,9 @@ class AsyncEngine:
             logger.exception("engine step failed; failing every live request")
             self._fail_all(_step_error_factory(exc))
             return
+        observer, stats = self._step_observer, self._engine.last_step
+        if observer is not None and stats is not None:
+            observer(stats)
         items: list[tuple[_Sink, _Item]] = []
         for output in outputs:
             sink = self._sinks.get(output.request_id)

@@ -20,6 +20,7 @@ server loop) calls :meth:`Engine.step` while :meth:`Engine.has_unfinished_reques
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -34,7 +35,7 @@ from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from sluice.engine.sequence import Sequence
 
-__all__ = ["Engine", "EngineConfig", "FinishReason", "RequestOutput"]
+__all__ = ["Engine", "EngineConfig", "FinishReason", "RequestOutput", "StepStats"]
 
 FinishReason = Literal["stop", "length"]
 
@@ -86,6 +87,16 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class StepStats:
+    """What one step ran and how long it took: ``num_prefill_tokens`` prompt (or recompute)
+    tokens, ``num_decodes`` sequences decoding one token each, in ``duration_s`` seconds."""
+
+    num_prefill_tokens: int
+    num_decodes: int
+    duration_s: float
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """What one request gained in one step.
 
@@ -103,6 +114,7 @@ class RequestOutput:
     num_completion_tokens: int
     num_cached_tokens: int
     logprobs: tuple[float, ...] | None = None
+    produced_at: float = 0.0  # time.monotonic() when its step sampled it
 
 
 class _Request:
@@ -149,6 +161,7 @@ class Engine:
         self._requests: dict[int, _Request] = {}
         self._next_request_id = 0
         self._num_steps = 0
+        self.last_step: StepStats | None = None  # the last step that completed
 
     # -- stats ----------------------------------------------------------------------------
 
@@ -222,6 +235,7 @@ class Engine:
         If the model or the sampler raises, every request in the batch is aborted (its
         blocks freed) before the error propagates, so the engine stays usable.
         """
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         try:
             logits = self.model_runner.run(batch)
@@ -237,6 +251,12 @@ class Engine:
         for request_id in finished:
             self._requests.pop(request_id, None)
             self.sampler.forget(request_id)
+        num_decodes = sum(1 for item in batch.items if item.num_new_tokens == 1)
+        self.last_step = StepStats(
+            num_prefill_tokens=batch.num_batched_tokens - num_decodes,
+            num_decodes=num_decodes,
+            duration_s=time.perf_counter() - started,
+        )
         return outputs
 
     def _sample_and_check(
@@ -251,6 +271,7 @@ class Engine:
             [request.params for request in requests],
             request_ids,
         )
+        produced_at = time.monotonic()
         sampled: dict[int, int] = {}
         outputs: list[RequestOutput] = []
         finished: set[int] = set()
@@ -273,6 +294,7 @@ class Engine:
                     num_completion_tokens=seq.num_completion_tokens + 1,
                     num_cached_tokens=request.num_cached_tokens,
                     logprobs=(logprob,) if request.params.logprobs else None,
+                    produced_at=produced_at,
                 )
             )
         return sampled, outputs, finished

@@ -47,7 +47,7 @@ from sluice.gateway.errors import (
     answer_for,
     retry_after,
 )
-from sluice.gateway.requests import read_json_body
+from sluice.gateway.requests import read_json_body, received
 from sluice.gateway.settings import Settings
 from sluice.observability.metrics import Metrics
 from sluice.sse import encode_event
@@ -225,7 +225,10 @@ class CompatAPI:
                 parsed = parse_openai(payload, self._settings, chat=kind == "chat")
             resumable = request.headers.get(RESUMABLE_HEADER, "").lower() == "true"
             stream = await self._hub.create(
-                parsed.model, parsed.generation, resumable=resumable, tenant=tenant
+                parsed.model,
+                received(parsed.generation, request.scope),
+                resumable=resumable,
+                tenant=tenant,
             )
         except SluiceError as exc:
             self._metrics.refused_before_start(exc)

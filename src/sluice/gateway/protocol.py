@@ -43,6 +43,7 @@ from uvicorn.protocols.utils import get_client_addr
 from sluice.errors import CapacityError, SluiceError
 from sluice.gateway.errors import response_for
 from sluice.gateway.limits import HEADER_LINE_OVERHEAD, header_bytes_error, url_bytes_error
+from sluice.gateway.requests import stamp_received
 from sluice.gateway.settings import Settings
 from sluice.gateway.streaming import EventStreams, refusal
 from sluice.observability.metrics import Metrics
@@ -152,6 +153,7 @@ class SluiceHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        stamp_received(cast(Scope, self.scope))
         self.in_head = True
         self.num_head_bytes = 0
         self.num_header_bytes = 0

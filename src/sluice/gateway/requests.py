@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from typing import Annotated
 
 import orjson
@@ -119,6 +121,23 @@ def to_generation_request(
     prompt: str, interval_ms: float, max_tokens: int | None
 ) -> GenerationRequest:
     return GenerationRequest(prompt=prompt, max_tokens=max_tokens, interval_s=interval_ms / 1000)
+
+
+# The key in a request scope's ``state`` of the time.monotonic() its first bytes were parsed.
+RECEIVED_AT_STATE = "sluice_received_at"
+
+
+def stamp_received(scope: Scope) -> None:
+    """Note in ``scope`` that its request begins to arrive now (the HTTP protocol's call)."""
+    scope.setdefault("state", {})[RECEIVED_AT_STATE] = time.monotonic()
+
+
+def received(generation: GenerationRequest, scope: Scope) -> GenerationRequest:
+    """``generation`` with the time its request arrived, when the protocol stamped it."""
+    received_at = scope.get("state", {}).get(RECEIVED_AT_STATE)
+    if not isinstance(received_at, float):
+        return generation
+    return dataclasses.replace(generation, received_at=received_at)
 
 
 def generation_request(body: CreateStreamBody) -> GenerationRequest:

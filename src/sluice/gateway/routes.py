@@ -11,7 +11,12 @@ from sluice.errors import BadEventIdError, SluiceError
 from sluice.events import Error
 from sluice.gateway.auth import TOKEN_PARAM, Auth, Caller, presented_token
 from sluice.gateway.errors import refusal_response, response_for
-from sluice.gateway.requests import generation_request, parse_create_stream, read_json_body
+from sluice.gateway.requests import (
+    generation_request,
+    parse_create_stream,
+    read_json_body,
+    received,
+)
 from sluice.gateway.settings import Settings
 from sluice.observability.metrics import CONTENT_TYPE, Metrics
 from sluice.streams.hub import Stream, StreamHub
@@ -54,7 +59,7 @@ class NativeApi:
             body = parse_create_stream(payload, self._settings)
             stream = await self._hub.create(
                 body.model or self._settings.default_model,
-                generation_request(body),
+                received(generation_request(body), request.scope),
                 resumable=body.resumable,
                 grace_s=body.grace_s,
                 tenant=tenant,

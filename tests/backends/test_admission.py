@@ -1,0 +1,183 @@
+"""The TTFT predictor: a step-cost fit, a replay of the scheduler (prefill bound and slot
+bound), and the error ratio it learns from what it observes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sluice.backends.admission import RetryAfterPacer, StepCostModel, TtftPredictor
+from sluice.engine.engine import StepStats
+
+
+def fitted(a: float, b: float, c: float) -> StepCostModel:
+    cost = StepCostModel()
+    cost.coefficients = (a, b, c)
+    return cost
+
+
+def test_step_cost_is_unknown_until_enough_steps_then_fits_a_linear_cost() -> None:
+    cost = StepCostModel(min_steps=8)
+    rng = random.Random(1)
+    for count in range(40):
+        assert (cost.step_s(1, 1) is None) == (count < 8)
+        prefill, decodes = rng.randrange(0, 400), rng.randrange(0, 64)
+        cost.observe(StepStats(prefill, decodes, 0.01 + 0.0002 * prefill + 0.001 * decodes))
+    assert cost.coefficients == pytest.approx((0.01, 0.0002, 0.001), rel=1e-3)
+    assert cost.step_s(100, 10) == pytest.approx(0.01 + 0.02 + 0.01, rel=1e-3)
+
+
+def test_step_cost_drops_a_term_rather_than_go_negative() -> None:
+    """Decode-only steps that get cheaper with more decodes (noise, say) fit no negative
+    per-decode cost."""
+    cost = StepCostModel(min_steps=3)
+    for decodes in range(1, 30):
+        cost.observe(StepStats(0, decodes, 0.05 - 0.0005 * decodes))
+    assert cost.coefficients is not None
+    assert min(cost.coefficients) >= 0
+    step_s = cost.step_s(0, 10)
+    assert step_s is not None
+    assert 0.03 < step_s < 0.05  # the mean decode step
+
+
+def test_step_cost_forgets_old_steps() -> None:
+    cost = StepCostModel(forgetting=0.9, min_steps=3)
+    for _ in range(50):
+        cost.observe(StepStats(0, 8, 0.02))
+    for _ in range(100):
+        cost.observe(StepStats(0, 8, 0.08))  # the machine got busy
+    assert cost.step_s(0, 8) == pytest.approx(0.08, rel=0.01)
+
+
+def test_nothing_is_predicted_before_the_step_cost_is_known() -> None:
+    predictor = TtftPredictor(4, 64, StepCostModel())
+    assert predictor.predict_s(10, 10, limit_s=1.0) is None
+
+
+def test_prefill_bound_prediction_counts_the_prompts_queued_ahead() -> None:
+    """A budget of 100 tokens a step: three 100-token prompts ahead (each ends with its
+    first token, so none takes budget to decode), then ours."""
+    predictor = TtftPredictor(64, 100, fitted(0.01, 0.001, 0.0))
+    assert predictor.predict_s(100, 8, limit_s=10.0) == pytest.approx(0.11)
+    for key in range(3):
+        predictor.queued(key, 100, 1, now=0.0)
+    assert predictor.num_queued_tokens == 300
+    assert predictor.predict_s(100, 8, limit_s=10.0) == pytest.approx(4 * 0.11)
+
+    # A busy engine is in a step now: ours joins after it, even with budget left over.
+    predictor = TtftPredictor(64, 100, fitted(0.01, 0.001, 0.0))
+    predictor.queued("ahead", 50, 8, now=0.0)
+    assert predictor.predict_s(50, 8, limit_s=10.0) == pytest.approx(0.06 + 0.06)
+
+
+def test_slot_bound_prediction_waits_for_the_first_sequence_to_end() -> None:
+    """Two slots, both decoding: 5 and 9 tokens left. Ours is prefilled the step after the
+    first ends, and the decodes of each step cost too."""
+    predictor = TtftPredictor(2, 100, fitted(0.01, 0.0, 0.005))
+    predictor.queued("a", 10, 6, now=0.0)
+    predictor.generated("a", 1, produced_at=0.0, now=0.0)  # 5 left
+    predictor.queued("b", 10, 10, now=0.0)
+    predictor.generated("b", 1, produced_at=0.0, now=0.0)  # 9 left
+    two_decoding, one_decoding = 0.01 + 2 * 0.005, 0.01 + 1 * 0.005
+    assert predictor.predict_s(10, 8, limit_s=10.0) == pytest.approx(
+        5 * two_decoding + one_decoding
+    )
+    predictor.generated("a", 4, produced_at=0.0, now=0.0)  # 2 left now
+    assert predictor.predict_s(10, 8, limit_s=10.0) == pytest.approx(
+        2 * two_decoding + one_decoding
+    )
+    predictor.left("a")
+    predictor.left("a")  # idempotent
+    # A slot is free: the step in progress, then ours.
+    assert predictor.predict_s(10, 8, limit_s=10.0) == pytest.approx(2 * one_decoding)
+
+
+def test_queued_prompts_become_decodes_that_hold_their_slot() -> None:
+    """One slot: the prompt ahead is prefilled in step 1, decodes 3 more tokens (steps 2-4)
+    and frees the slot; ours is prefilled in step 5."""
+    predictor = TtftPredictor(1, 100, fitted(0.1, 0.0, 0.0))
+    predictor.queued("ahead", 10, 4, now=0.0)
+    assert predictor.predict_s(10, 4, limit_s=10.0) == pytest.approx(0.5)
+
+
+def test_a_replay_stops_at_its_limit() -> None:
+    predictor = TtftPredictor(1, 100, fitted(0.1, 0.0, 0.0))
+    predictor.queued("long", 10, 10_000, now=0.0)
+    predictor.generated("long", 1, produced_at=0.0, now=0.0)
+    predicted = predictor.predict_s(10, 4, limit_s=1.0)
+    assert predicted is not None
+    assert 1.0 < predicted < 1.2  # over the limit, without replaying 10,000 steps
+
+
+def test_error_ratio_learns_a_high_quantile_of_observed_over_predicted() -> None:
+    """Requests that take twice their prediction nineteen times in twenty (and the rest
+    on time) raise the ratio above 2, to cover the 99th percentile with a margin; requests
+    that come on time bring it back to 1 within a couple of hundred."""
+    predictor = TtftPredictor(64, 100, fitted(0.1, 0.0, 0.0))
+    rng = random.Random(3)
+    for key in range(2000):
+        predicted = predictor.predict_s(10, 4, limit_s=100.0)
+        assert predicted is not None
+        predictor.queued(key, 10, 4, now=0.0, predicted_s=predicted)
+        slow = rng.random() < 0.95
+        produced_at = 0.1 * (2.0 if slow else 1.0)
+        predictor.generated(key, 1, produced_at=produced_at, now=produced_at)
+        predictor.left(key)
+    assert 2.0 < predictor.ratio < 3.5
+    for key in range(2000, 2200):
+        predicted = predictor.predict_s(10, 4, limit_s=100.0)
+        predictor.queued(key, 10, 4, now=0.0, predicted_s=predicted)
+        predictor.generated(key, 1, produced_at=0.1, now=0.1)
+        predictor.left(key)
+    assert predictor.ratio == pytest.approx(1.0, abs=0.05)
+
+
+def test_predictions_of_a_step_or_two_do_not_teach_the_ratio() -> None:
+    predictor = TtftPredictor(64, 100, fitted(0.001, 0.0, 0.0))
+    for key in range(100):
+        predictor.queued(key, 10, 4, now=0.0, predicted_s=0.001)
+        predictor.generated(key, 1, produced_at=0.5, now=0.5)  # a stall, not a model error
+    assert predictor.ratio == 1.0
+
+
+def test_the_way_from_the_engine_to_the_backend_is_learnt_as_added_seconds() -> None:
+    """Tokens the engine produced on time but the backend saw 0.2 s later add 0.2 s to
+    every prediction (not twice as much to a prediction twice as long); the engine's
+    ratio stays 1."""
+    predictor = TtftPredictor(64, 100, fitted(0.1, 0.0, 0.0))
+    for key in range(200):
+        predicted = predictor.predict_s(10, 4, limit_s=100.0)
+        predictor.queued(key, 10, 4, now=0.0, predicted_s=predicted)
+        predictor.generated(key, 1, produced_at=0.1, now=0.3)
+        predictor.left(key)
+    assert predictor.ratio == pytest.approx(1.0)
+    assert predictor.lag_s == pytest.approx(0.2, abs=0.01)
+    assert predictor.predict_s(10, 4, limit_s=100.0) == pytest.approx(0.1 + predictor.lag_s)
+    predictor.queued("ahead", 100, 1, now=0.0)
+    assert predictor.predict_s(10, 4, limit_s=100.0) == pytest.approx(0.2 + predictor.lag_s)
+
+
+def test_retry_after_is_the_base_until_refusals_outnumber_admissions() -> None:
+    pacer = RetryAfterPacer(window_s=5.0)
+    assert pacer.retry_after_s(0.2, now=0.0) == 1.0  # at least a second
+    assert pacer.retry_after_s(3.0, now=0.0) == 3.0
+    for tick in range(10):
+        pacer.admitted(now=tick * 0.1)
+        pacer.refused(now=tick * 0.1)
+    assert pacer.retry_after_s(1.0, now=1.0) == pytest.approx(1.0)  # one refusal per admission
+    for tick in range(40):
+        pacer.refused(now=1.0 + tick * 0.01)  # a crowd: 50 refusals for 10 admissions
+    assert pacer.retry_after_s(1.0, now=1.4) == pytest.approx(5.0, rel=0.15)  # decayed
+    assert pacer.retry_after_s(1e6, now=1.4) == 60.0  # bounded
+
+
+def test_retry_after_falls_back_as_the_crowd_thins() -> None:
+    pacer = RetryAfterPacer(window_s=5.0)
+    for tick in range(100):
+        pacer.refused(now=tick * 0.01)
+    pacer.admitted(now=1.0)
+    assert pacer.retry_after_s(1.0, now=1.0) > 50
+    for tick in range(1, 201):  # then admissions only, 20 s of them
+        pacer.admitted(now=1.0 + tick * 0.1)
+    assert pacer.retry_after_s(1.0, now=21.0) == 1.0
