@@ -17,9 +17,7 @@ at every load; with it off, the collapse shows.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -35,14 +33,6 @@ def serve_command(port: int, *options: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _client_first() -> None:
-    """Run the load generator ahead of the server it loads (when allowed): on two shared
-    cores the server's engine threads would otherwise starve it, and its own delays would
-    count as the server's TTFT. On separate machines this is moot."""
-    with contextlib.suppress(OSError):
-        os.nice(-10)
-
-
 def load(port: int, args: argparse.Namespace, out: Path) -> list[dict[str, object]]:
     command = [
         sys.executable, "-m", "sluice.cli", "bench", "--url", f"http://{HOST}:{port}",
@@ -51,7 +41,7 @@ def load(port: int, args: argparse.Namespace, out: Path) -> list[dict[str, objec
         "--prompt-tokens", str(args.prompt_tokens), "--temperature", "0",
         "--no-progress", "--json", str(out),
     ]  # fmt: skip
-    subprocess.run(command, check=False, stdout=subprocess.DEVNULL, preexec_fn=_client_first)
+    subprocess.run(command, check=False, stdout=subprocess.DEVNULL)
     levels: list[dict[str, object]] = json.loads(out.read_text())["levels"]
     return levels
 

@@ -127,15 +127,22 @@ def test_bench_unknown_model_is_an_error_not_a_refusal(
 
 
 @contextlib.asynccontextmanager
-async def _scripted_server(**replies: bytes | None) -> AsyncIterator[str]:
+async def _scripted_server(
+    seen: list[str] | None = None, **replies: bytes | None
+) -> AsyncIterator[str]:
     """An HTTP/1.1 server on 127.0.0.1 that reads one request per connection and answers
     with the reply given for its method (then closes), or for ``None`` says nothing until
-    the client hangs up."""
+    the client hangs up; a method with no reply gets a 404. ``seen`` collects the methods
+    in the order they came."""
+    not_found = _http("404 Not Found", b"{}")
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await reader.readuntil(b"\r\n\r\n")
-            reply = replies[head.split(b" ", 1)[0].decode()]
+            method = head.split(b" ", 1)[0].decode()
+            if seen is not None:
+                seen.append(method)
+            reply = replies.get(method, not_found)
             for line in head.split(b"\r\n"):
                 name, _, value = line.partition(b":")
                 if name.lower() == b"content-length":
@@ -188,6 +195,20 @@ def test_bench_counts_503_with_retry_after_as_refused(api: Api) -> None:
         assert report.errors == {}
 
     asyncio.run(scenario())
+
+
+def test_closed_loop_workers_connect_before_the_first_request() -> None:
+    """Two workers: each opens its connection (a GET) before any request is timed."""
+    seen: list[str] = []
+    reply = _http("503 Service Unavailable", b'{"error": "full"}', "Retry-After: 7")
+
+    async def scenario() -> None:
+        async with _scripted_server(seen, POST=reply) as url:
+            [report] = await bench(_config(url, Api.OPENAI_CHAT))
+        assert report.num_refused == 3
+
+    asyncio.run(scenario())
+    assert seen == ["GET", "GET", "POST", "POST", "POST"]
 
 
 @pytest.mark.parametrize("honor", [True, False])

@@ -7,8 +7,9 @@ it is sent: TTFT to the first token event, one inter-token latency per gap betwe
 events, and its end. Outcomes are ``ok``, ``refused`` (HTTP 429 or 503 before any body:
 the server shed load, Retry-After noted) or ``error`` (any other status, an in-band error
 event, a transport error, a timeout). Streams are parsed with Sluice's own SSE decoder.
-In closed loop a refused worker waits what ``Retry-After`` asked (at most a minute, plus
-up to a quarter more so refused workers spread out) before its next request, as a
+In closed loop each worker has its own connection, opened before the level's clock
+starts, and a refused worker waits what ``Retry-After`` asked (at most a minute, plus up
+to a quarter more so refused workers spread out) before its next request, as a
 well-behaved client does; ``--ignore-retry-after`` sends again at once.
 
 The native API is two requests: ``POST /v1/streams`` (non-resumable: a benchmark never
@@ -20,11 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import enum
 import itertools
 import math
 import random
+import ssl
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -355,51 +358,89 @@ async def _measure(client: httpx.AsyncClient, config: BenchConfig, prompt: str) 
 class _Level:
     """One level's requests: prompts drawn in send order, results kept as they end."""
 
-    def __init__(
-        self, client: httpx.AsyncClient, config: BenchConfig, progress: Progress | None
-    ) -> None:
-        self.client, self.config, self.progress = client, config, progress
+    def __init__(self, config: BenchConfig, progress: Progress | None) -> None:
+        self.config, self.progress = config, progress
         self.results: list[RequestResult] = []
         self._prompts = random.Random(config.seed)
+        # One TLS context for all the level's clients: making one costs milliseconds.
+        self._tls = ssl.create_default_context()
 
     def next_prompt(self) -> str:
         return build_prompt(self._prompts, self.config.prompt_tokens)
 
-    async def send(self, prompt: str) -> RequestResult:
-        result = await _measure(self.client, self.config, prompt)
+    def client(self, num_connections: int) -> httpx.AsyncClient:
+        """A client with a pool of ``num_connections`` (a fresh one: the caller closes it)."""
+        config = self.config
+        headers = {} if config.api_key is None else {"Authorization": f"Bearer {config.api_key}"}
+        limits = httpx.Limits(
+            max_connections=num_connections, max_keepalive_connections=num_connections
+        )
+        return httpx.AsyncClient(
+            limits=limits,
+            timeout=httpx.Timeout(config.timeout_s),
+            headers=headers,
+            verify=self._tls,
+            trust_env=False,  # a proxy from the environment would skew every figure
+        )
+
+    async def send(self, client: httpx.AsyncClient, prompt: str) -> RequestResult:
+        result = await _measure(client, self.config, prompt)
         self.results.append(result)
         if self.progress is not None:
             self.progress.update(result)
         return result
 
 
-async def _closed_loop(level: _Level, num_workers: int) -> None:
-    """``num_workers`` tasks, each sending its next request as soon as its last one ends;
+async def _closed_loop(level: _Level, clients: Sequence[httpx.AsyncClient]) -> None:
+    """A task per client, each sending its next request as soon as its last one ends;
     a refused one first waits what ``Retry-After`` asked, plus up to a quarter more (jitter,
-    so refused workers do not return in step), as a well-behaved client does."""
+    so refused workers do not return in step), as a well-behaved client does.
+
+    Each worker has its own client and connection, as separate users would. (One pool
+    shared by hundreds of workers costs the client work per request that grows with the
+    pool, since httpcore scans its connections: on two cores that delayed requests by
+    seconds, which the figures would have blamed on the server.)"""
     config = level.config
     loop = asyncio.get_running_loop()
     deadline = math.inf if config.duration_s is None else loop.time() + config.duration_s
     tickets = iter(range(config.num_requests or MAX_REQUESTS_PER_LEVEL))
     jitter = random.Random(config.seed)
 
-    async def worker() -> None:
+    async def worker(client: httpx.AsyncClient) -> None:
         for _ in tickets:  # shared by all workers: one ticket per request
             if loop.time() >= deadline:
                 return
-            result = await level.send(level.next_prompt())
-            pause_s = result.retry_after_s if config.honor_retry_after else None
-            if result.outcome is Outcome.REFUSED and pause_s:
-                pause_s *= 1 + jitter.random() / 4
-                pause_s = min(pause_s, MAX_RETRY_PAUSE_S, deadline - loop.time())
-                await asyncio.sleep(pause_s)  # pacing the load as the server asked
+            await send(client)
+
+    async def send(client: httpx.AsyncClient) -> None:
+        result = await level.send(client, level.next_prompt())
+        pause_s = result.retry_after_s if config.honor_retry_after else None
+        if result.outcome is Outcome.REFUSED and pause_s:
+            pause_s *= 1 + jitter.random() / 4
+            pause_s = min(pause_s, MAX_RETRY_PAUSE_S, deadline - loop.time())
+            await asyncio.sleep(pause_s)  # pacing the load as the server asked
 
     async with asyncio.TaskGroup() as tasks:
-        for _ in range(num_workers):
-            tasks.create_task(worker())
+        for client in clients:
+            tasks.create_task(worker(client))
 
 
-async def _open_loop(level: _Level, rate: float) -> None:
+async def _connect(clients: Sequence[httpx.AsyncClient], config: BenchConfig) -> None:
+    """Open each client's connection before the level's clock starts (``GET /v1/models``
+    on each, all at once), so that its figures time requests and not a storm of TCP
+    set-ups at its start. Nothing here counts: the level's requests report what fails."""
+    url = config.base_url.rstrip("/").removesuffix("/v1") + "/v1/models"
+
+    async def connect(client: httpx.AsyncClient) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            await client.get(url)
+
+    async with asyncio.TaskGroup() as tasks:
+        for client in clients:
+            tasks.create_task(connect(client))
+
+
+async def _open_loop(level: _Level, client: httpx.AsyncClient, rate: float) -> None:
     """Poisson arrivals at ``rate`` per second, each request sent whether or not the
     earlier ones ended; past ``max_in_flight`` open requests, arrivals wait for a slot."""
     config = level.config
@@ -409,7 +450,7 @@ async def _open_loop(level: _Level, rate: float) -> None:
 
     async def send(prompt: str) -> None:
         try:
-            await level.send(prompt)
+            await level.send(client, prompt)
         finally:
             slots.release()
 
@@ -429,30 +470,28 @@ def _label(config: BenchConfig, level: float) -> str:
 
 
 async def bench(config: BenchConfig, progress: Progress | None = None) -> list[LevelReport]:
-    """Run every level of ``config`` in turn, each on a fresh connection pool sized to it."""
-    headers = {} if config.api_key is None else {"Authorization": f"Bearer {config.api_key}"}
+    """Run every level of ``config`` in turn, each on fresh connections: in closed loop one
+    per worker, opened before the level starts; in open loop a pool of ``max_in_flight``."""
     reports = []
     for level_value in config.levels:
+        level = _Level(config, progress)
         closed = config.load is Load.CONCURRENCY
-        num_connections = int(level_value) if closed else config.max_in_flight
-        limits = httpx.Limits(
-            max_connections=num_connections, max_keepalive_connections=num_connections
-        )
-        async with httpx.AsyncClient(
-            limits=limits,
-            timeout=httpx.Timeout(config.timeout_s),
-            headers=headers,
-            trust_env=False,  # a proxy from the environment would skew every figure
-        ) as client:
-            level = _Level(client, config, progress)
+        num_clients = int(level_value) if closed else 1
+        async with contextlib.AsyncExitStack() as stack:
+            size = 1 if closed else config.max_in_flight
+            clients = [
+                await stack.enter_async_context(level.client(size)) for _ in range(num_clients)
+            ]
+            if closed:
+                await _connect(clients, config)
             if progress is not None:
                 progress.start(_label(config, level_value), config.num_requests, config.duration_s)
             started = time.perf_counter()
             try:
                 if closed:
-                    await _closed_loop(level, int(level_value))
+                    await _closed_loop(level, clients)
                 else:
-                    await _open_loop(level, level_value)
+                    await _open_loop(level, clients[0], level_value)
             finally:
                 if progress is not None:
                     progress.finish()
