@@ -100,7 +100,11 @@ def test_leaving_the_stream_cancels_the_generation(
     client: anthropic.Anthropic, server: ServerProcess
 ) -> None:
     with client.messages.with_streaming_response.create(
-        model=MODEL, max_tokens=200, messages=MESSAGES, stream=True
+        model=MODEL,
+        max_tokens=200,
+        messages=MESSAGES,
+        stream=True,
+        extra_body={"ignore_eos": True},  # not finished before the client leaves
     ) as response:
         stream_id = response.headers["x-sluice-stream-id"]
         for _, _event in zip(range(4), response.parse(), strict=False):

@@ -139,7 +139,11 @@ def test_closing_the_stream_cancels_the_generation(
     client: openai.OpenAI, server: ServerProcess
 ) -> None:
     with client.chat.completions.with_streaming_response.create(
-        model=MODEL, messages=MESSAGES, stream=True, max_tokens=200
+        model=MODEL,
+        messages=MESSAGES,
+        stream=True,
+        max_tokens=200,
+        extra_body={"ignore_eos": True},  # not finished before the client leaves
     ) as response:
         stream_id = response.headers["x-sluice-stream-id"]
         chunks = response.parse()

@@ -106,6 +106,7 @@ class _MessagesBody(_Lenient):
     top_p: _TopP | None = None
     top_k: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
     stream: bool = False
+    ignore_eos: bool = False  # as for OpenAI requests (vLLM's extension)
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +220,7 @@ def parse_anthropic_messages(payload: object, settings: Settings) -> CompatReque
         top_p=body.top_p,
         top_k=body.top_k,
         stop=tuple(body.stop_sequences or ()),
+        ignore_eos=body.ignore_eos,
     )
     model = body.model or settings.default_model
     return CompatRequest(model, generation, body.stream, include_usage=True)
