@@ -58,7 +58,7 @@ def test_nothing_is_predicted_before_the_step_cost_is_known() -> None:
 def test_prefill_bound_prediction_counts_the_prompts_queued_ahead() -> None:
     """A budget of 100 tokens a step: three 100-token prompts ahead (each ends with its
     first token, so none takes budget to decode), then ours."""
-    predictor = TtftPredictor(64, 100, fitted(0.01, 0.001, 0.0))
+    predictor = TtftPredictor(64, 100, fitted(0.01, 0.001, 0.0), prior_ratio=1.0)
     assert predictor.predict_s(100, 8, limit_s=10.0) == pytest.approx(0.11)
     for key in range(3):
         predictor.queued(key, 100, 1, now=0.0)
@@ -66,7 +66,7 @@ def test_prefill_bound_prediction_counts_the_prompts_queued_ahead() -> None:
     assert predictor.predict_s(100, 8, limit_s=10.0) == pytest.approx(4 * 0.11)
 
     # A busy engine is in a step now: ours joins after it, even with budget left over.
-    predictor = TtftPredictor(64, 100, fitted(0.01, 0.001, 0.0))
+    predictor = TtftPredictor(64, 100, fitted(0.01, 0.001, 0.0), prior_ratio=1.0)
     predictor.queued("ahead", 50, 8, now=0.0)
     assert predictor.predict_s(50, 8, limit_s=10.0) == pytest.approx(0.06 + 0.06)
 
@@ -74,7 +74,7 @@ def test_prefill_bound_prediction_counts_the_prompts_queued_ahead() -> None:
 def test_slot_bound_prediction_waits_for_the_first_sequence_to_end() -> None:
     """Two slots, both decoding: 5 and 9 tokens left. Ours is prefilled the step after the
     first ends, and the decodes of each step cost too."""
-    predictor = TtftPredictor(2, 100, fitted(0.01, 0.0, 0.005))
+    predictor = TtftPredictor(2, 100, fitted(0.01, 0.0, 0.005), prior_ratio=1.0)
     predictor.queued("a", 10, 6, now=0.0)
     predictor.generated("a", 1, produced_at=0.0, now=0.0)  # 5 left
     predictor.queued("b", 10, 10, now=0.0)
@@ -96,13 +96,13 @@ def test_slot_bound_prediction_waits_for_the_first_sequence_to_end() -> None:
 def test_queued_prompts_become_decodes_that_hold_their_slot() -> None:
     """One slot: the prompt ahead is prefilled in step 1, decodes 3 more tokens (steps 2-4)
     and frees the slot; ours is prefilled in step 5."""
-    predictor = TtftPredictor(1, 100, fitted(0.1, 0.0, 0.0))
+    predictor = TtftPredictor(1, 100, fitted(0.1, 0.0, 0.0), prior_ratio=1.0)
     predictor.queued("ahead", 10, 4, now=0.0)
     assert predictor.predict_s(10, 4, limit_s=10.0) == pytest.approx(0.5)
 
 
 def test_a_replay_stops_at_its_limit() -> None:
-    predictor = TtftPredictor(1, 100, fitted(0.1, 0.0, 0.0))
+    predictor = TtftPredictor(1, 100, fitted(0.1, 0.0, 0.0), prior_ratio=1.0)
     predictor.queued("long", 10, 10_000, now=0.0)
     predictor.generated("long", 1, produced_at=0.0, now=0.0)
     predicted = predictor.predict_s(10, 4, limit_s=1.0)
@@ -114,7 +114,7 @@ def test_error_ratio_learns_a_high_quantile_of_observed_over_predicted() -> None
     """Requests that take twice their prediction nineteen times in twenty (and the rest
     on time) raise the ratio above 2, to cover the 99th percentile with a margin; requests
     that come on time bring it back to 1 within a couple of hundred."""
-    predictor = TtftPredictor(64, 100, fitted(0.1, 0.0, 0.0))
+    predictor = TtftPredictor(64, 100, fitted(0.1, 0.0, 0.0), prior_ratio=1.0)
     rng = random.Random(3)
     for key in range(2000):
         predicted = predictor.predict_s(10, 4, limit_s=100.0)
@@ -138,14 +138,25 @@ def test_predictions_of_a_step_or_two_do_not_teach_the_ratio() -> None:
     for key in range(100):
         predictor.queued(key, 10, 4, now=0.0, predicted_s=0.001)
         predictor.generated(key, 1, produced_at=0.5, now=0.5)  # a stall, not a model error
-    assert predictor.ratio == 1.0
+    assert predictor.ratio == 1.5  # still the prior
+
+
+def test_until_it_has_learnt_the_predictor_is_cautious_then_the_prior_fades() -> None:
+    predictor = TtftPredictor(64, 100, fitted(0.1, 0.0, 0.0))
+    assert predictor.predict_s(10, 4, limit_s=100.0) == pytest.approx(0.15)  # 1.5 x 0.1 s
+    for key in range(100):  # requests that come exactly on time
+        predicted = predictor.predict_s(10, 4, limit_s=100.0)
+        predictor.queued(key, 10, 4, now=0.0, predicted_s=predicted)
+        predictor.generated(key, 1, produced_at=0.1, now=0.1)
+        predictor.left(key)
+    assert predictor.ratio == pytest.approx(1.0, abs=0.1)
 
 
 def test_the_way_from_the_engine_to_the_backend_is_learnt_as_added_seconds() -> None:
     """Tokens the engine produced on time but the backend saw 0.2 s later add 0.2 s to
     every prediction (not twice as much to a prediction twice as long); the engine's
     ratio stays 1."""
-    predictor = TtftPredictor(64, 100, fitted(0.1, 0.0, 0.0))
+    predictor = TtftPredictor(64, 100, fitted(0.1, 0.0, 0.0), prior_ratio=1.0)
     for key in range(200):
         predicted = predictor.predict_s(10, 4, limit_s=100.0)
         predictor.queued(key, 10, 4, now=0.0, predicted_s=predicted)

@@ -23,7 +23,8 @@ What the replay leaves out is learnt back from what happens, in two parts:
   token's step) over its raw prediction is one sample of an error ratio, and the replay
   is scaled by a running estimate of that ratio's ``quantile`` (0.99: about one request in
   a hundred is slower), from the mean and deviation of its logarithm over the last few
-  dozen requests;
+  dozen requests. Before any, the ratio is ``prior_ratio`` (1.5): a burst that comes
+  before the first token has taught anything meets a cautious predictor;
 - the lag from that step to the backend seeing the token (the event loop is busy with
   other streams), a running ``quantile`` of its seconds, added.
 
@@ -125,8 +126,8 @@ class _Spread:
 
     __slots__ = ("mean", "variance")
 
-    def __init__(self) -> None:
-        self.mean = 0.0
+    def __init__(self, mean: float = 0.0) -> None:
+        self.mean = mean
         self.variance = 0.0
 
     @property
@@ -179,19 +180,23 @@ class TtftPredictor:
         cost: StepCostModel,
         *,
         quantile: float = 0.99,
+        prior_ratio: float = 1.5,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
         if not 0 < quantile < 1:
             raise ValueError(f"quantile must be in (0, 1), got {quantile}")
+        if not _MIN_RATIO <= prior_ratio <= _MAX_RATIO:
+            raise ValueError(f"prior_ratio must be in [{_MIN_RATIO}, {_MAX_RATIO}]")
         self._max_num_seqs = max_num_seqs
         self._max_num_batched_tokens = max_num_batched_tokens
         self._cost = cost
         self._requests: dict[object, _Request] = {}
         self._z = statistics.NormalDist().inv_cdf(quantile)
-        self._log_ratio = _Spread()  # of log(engine's TTFT / raw prediction)
+        # Of log(engine's TTFT / raw prediction), from a cautious prior until it has data.
+        self._log_ratio = _Spread(math.log(prior_ratio))
         self._lag = _Spread()  # of seconds from the engine's first token to the backend
-        self.ratio = 1.0  # the running ``quantile`` of the engine's TTFT / raw prediction
+        self.ratio = prior_ratio  # the running ``quantile`` of engine's TTFT / raw prediction
         self.lag_s = 0.0  # the running ``quantile`` of the first token's way to the backend
 
     @property
