@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import ipaddress
 import logging
+import math
 import os
 import signal
 import socket
@@ -551,6 +552,15 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     if args.max_connections is not None and args.max_connections < 1:
         print("sluice serve: --max-connections must be at least 1", file=sys.stderr)
+        return 2
+    slo_s, headroom_s = args.ttft_slo, args.ttft_headroom
+    if slo_s is not None and not slo_s > 0:
+        print("sluice serve: --ttft-slo must be positive", file=sys.stderr)
+        return 2
+    if not 0 <= headroom_s < (slo_s if slo_s is not None else math.inf):
+        print(
+            "sluice serve: --ttft-headroom must be at least 0 and under --ttft-slo", file=sys.stderr
+        )
         return 2
     log_config = configure_logging(args.log_format, args.log_level, access_log=args.access_log)
     backends: dict[str, Backend] = {}

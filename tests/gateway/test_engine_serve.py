@@ -4,6 +4,8 @@ streamed by the embedded engine; ``--no-model`` for the words demo alone."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -77,6 +79,28 @@ def test_a_broken_model_directory_stops_serve_with_a_clear_message(tmp_path: Pat
     with ServerProcess("--model", str(tmp_path)) as server:
         assert server.process is not None
         assert server.process.wait(timeout=60) == 2
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--ttft-slo", "0"], "--ttft-slo must be positive"),
+        (["--ttft-slo", "1", "--ttft-headroom", "1"], "--ttft-headroom must be"),
+        (["--ttft-headroom", "-0.1"], "--ttft-headroom must be"),
+    ],
+)
+def test_an_impossible_ttft_objective_stops_serve_with_a_clear_message(
+    options: list[str], message: str
+) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "sluice.cli", "serve", "--port", "0", *options],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert message in result.stderr
 
 
 def test_the_bundled_model_is_the_default_and_streams_the_engines_greedy_tokens(
