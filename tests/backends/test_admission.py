@@ -4,6 +4,7 @@ bound), and the error ratio it learns from what it observes."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -110,26 +111,29 @@ def test_a_replay_stops_at_its_limit() -> None:
     assert 1.0 < predicted < 1.2  # over the limit, without replaying 10,000 steps
 
 
+def serve(
+    predictor: TtftPredictor, keys: range, produced_at: Callable[[], float], lag_s: float = 0.0
+) -> None:
+    """Admit one request per key as predicted, its first token produced ``produced_at()``
+    seconds after it was queued and seen ``lag_s`` later, then end it."""
+    for key in keys:
+        predicted = predictor.predict_s(10, 4, limit_s=100.0)
+        assert predicted is not None
+        predictor.queued(key, 10, 4, now=0.0, predicted_s=predicted)
+        produced = produced_at()
+        predictor.generated(key, 1, produced_at=produced, now=produced + lag_s)
+        predictor.left(key)
+
+
 def test_error_ratio_learns_a_high_quantile_of_observed_over_predicted() -> None:
     """Requests that take twice their prediction nineteen times in twenty (and the rest
     on time) raise the ratio above 2, to cover the 99th percentile with a margin; requests
     that come on time bring it back to 1 within a couple of hundred."""
     predictor = TtftPredictor(64, 100, fitted(0.1, 0.0, 0.0), prior_ratio=1.0)
     rng = random.Random(3)
-    for key in range(2000):
-        predicted = predictor.predict_s(10, 4, limit_s=100.0)
-        assert predicted is not None
-        predictor.queued(key, 10, 4, now=0.0, predicted_s=predicted)
-        slow = rng.random() < 0.95
-        produced_at = 0.1 * (2.0 if slow else 1.0)
-        predictor.generated(key, 1, produced_at=produced_at, now=produced_at)
-        predictor.left(key)
+    serve(predictor, range(2000), lambda: 0.1 * (2.0 if rng.random() < 0.95 else 1.0))
     assert 2.0 < predictor.ratio < 3.5
-    for key in range(2000, 2200):
-        predicted = predictor.predict_s(10, 4, limit_s=100.0)
-        predictor.queued(key, 10, 4, now=0.0, predicted_s=predicted)
-        predictor.generated(key, 1, produced_at=0.1, now=0.1)
-        predictor.left(key)
+    serve(predictor, range(2000, 2200), lambda: 0.1)
     assert predictor.ratio == pytest.approx(1.0, abs=0.05)
 
 
@@ -144,11 +148,7 @@ def test_predictions_of_a_step_or_two_do_not_teach_the_ratio() -> None:
 def test_until_it_has_learnt_the_predictor_is_cautious_then_the_prior_fades() -> None:
     predictor = TtftPredictor(64, 100, fitted(0.1, 0.0, 0.0))
     assert predictor.predict_s(10, 4, limit_s=100.0) == pytest.approx(0.15)  # 1.5 x 0.1 s
-    for key in range(100):  # requests that come exactly on time
-        predicted = predictor.predict_s(10, 4, limit_s=100.0)
-        predictor.queued(key, 10, 4, now=0.0, predicted_s=predicted)
-        predictor.generated(key, 1, produced_at=0.1, now=0.1)
-        predictor.left(key)
+    serve(predictor, range(100), lambda: 0.1)  # requests that come exactly on time
     assert predictor.ratio == pytest.approx(1.0, abs=0.1)
 
 
@@ -157,11 +157,7 @@ def test_the_way_from_the_engine_to_the_backend_is_learnt_as_added_seconds() -> 
     every prediction (not twice as much to a prediction twice as long); the engine's
     ratio stays 1."""
     predictor = TtftPredictor(64, 100, fitted(0.1, 0.0, 0.0), prior_ratio=1.0)
-    for key in range(200):
-        predicted = predictor.predict_s(10, 4, limit_s=100.0)
-        predictor.queued(key, 10, 4, now=0.0, predicted_s=predicted)
-        predictor.generated(key, 1, produced_at=0.1, now=0.3)
-        predictor.left(key)
+    serve(predictor, range(200), lambda: 0.1, lag_s=0.2)
     assert predictor.ratio == pytest.approx(1.0)
     assert predictor.lag_s == pytest.approx(0.2, abs=0.01)
     assert predictor.predict_s(10, 4, limit_s=100.0) == pytest.approx(0.1 + predictor.lag_s)
