@@ -17,7 +17,6 @@ __all__ = [
     "StepLayout",
     "StepSequence",
     "begin_step",
-    "check_step",
     "last_token_indices",
     "packed_slots",
     "paged_attention",
@@ -59,7 +58,7 @@ class StepSequence:
         return self.start + self.num_new_tokens
 
 
-def check_step(
+def begin_step(
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     seqs: Sequence[StepSequence],
@@ -69,8 +68,9 @@ def check_step(
     num_kv_heads: int,
     head_dim: int,
     max_positions: int,
-) -> None:
-    """Raise :class:`StepError` unless the step's inputs fit the model and the cache."""
+) -> StepLayout:
+    """Lay a step out for every layer, raising :class:`StepError` unless its inputs fit
+    the model and the cache."""
     if input_ids.dim() != 1 or positions.shape != input_ids.shape:
         raise StepError(
             f"input_ids and positions must be 1-D and equal in shape, got "
@@ -105,6 +105,7 @@ def check_step(
         raise StepError(
             f"sequences cover {num_packed_tokens} tokens, input_ids has {input_ids.shape[0]}"
         )
+    return StepLayout.of(seqs, positions, kv_cache)
 
 
 def packed_slots(
@@ -169,31 +170,6 @@ class StepLayout:
         rows = torch.tensor([seq.start for seq in decodes])
         batch = DecodeBatch(rows.to(device), tables.to(device), mask[:, None, None, :].to(device))
         return cls(seqs, positions, slots, batch, chunks)
-
-
-def begin_step(
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    seqs: Sequence[StepSequence],
-    kv_cache: KVCache,
-    *,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    max_positions: int,
-) -> StepLayout:
-    """Check a step's inputs (:func:`check_step`) and lay it out for every layer."""
-    check_step(
-        input_ids,
-        positions,
-        seqs,
-        kv_cache,
-        num_layers=num_layers,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_positions=max_positions,
-    )
-    return StepLayout.of(seqs, positions, kv_cache)
 
 
 def paged_attention(
