@@ -169,6 +169,7 @@ class EngineGeneration:
             self._leave()
             raise
         self._stream = stream
+        self._admission.pacer.admitted(time.monotonic())  # in the engine's queue now
         if self._abort_requested():  # abort() ran while the request was being added
             self._finished = True
             self._leave()
@@ -199,7 +200,6 @@ class EngineGeneration:
                     retry_after_s=retry_after_s,
                     reason="ttft_slo",
                 )
-        admission.pacer.admitted(now)
         predictor.queued(self, num_tokens, max_tokens, now, predicted_s)
         self._tracked = True
 
