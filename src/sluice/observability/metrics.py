@@ -63,6 +63,7 @@ metric                                      what
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -286,4 +287,7 @@ class Metrics:
                     num_streams_waiting=waiting.get(model, 0),
                 )
         self._state.update(states)
-        return encode(self.registry, accept)
+        # Writing several hundred samples takes tens of milliseconds of Python: off the
+        # loop, so a scrape does not stall every stream's tokens for that long.
+        # prometheus-client collects from any thread (its own HTTP server does).
+        return await asyncio.to_thread(encode, self.registry, accept)
