@@ -18,7 +18,7 @@ from sluice.gateway.requests import (
     received,
 )
 from sluice.gateway.settings import Settings
-from sluice.observability.metrics import CONTENT_TYPE, Metrics
+from sluice.observability.metrics import Metrics
 from sluice.streams.hub import Stream, StreamHub
 from sluice.streams.ids import is_stream_id
 
@@ -128,8 +128,10 @@ class NativeApi:
         return JSONResponse(payload)
 
     async def metrics(self, request: Request) -> Response:
-        body = await self._metrics.render(engine_stats(self._hub))
-        return Response(body, media_type=CONTENT_TYPE)
+        live = self._hub.live_streams()
+        accept = request.headers.get("accept", "")  # OpenMetrics when asked for
+        body, content_type = await self._metrics.render(engine_stats(self._hub), live, accept)
+        return Response(body, media_type=content_type)
 
 
 def engine_stats(hub: StreamHub) -> dict[str, Callable[[], Awaitable[dict[str, int]]]]:

@@ -3,12 +3,20 @@
 One registry per app (several apps can live in one process, as in tests). Stream metrics
 come from the hub through the :class:`~sluice.streams.hub.StreamObserver` hooks (which also
 write the stream log's line when a stream ends, see :mod:`sluice.observability.logs`);
-engine gauges are read from each engine backend's ``stats()`` when ``/metrics`` is
-scraped; the abort timings from each engine backend's abort observer.
+each model's state (engine queues, KV cache, cumulative engine counts) is read when
+``/metrics`` is scraped (:mod:`sluice.observability.state`); the abort timings come from
+each engine backend's abort observer. The ``vllm:`` families a vLLM Grafana dashboard
+reads are beside these (:mod:`sluice.observability.vllm`). No family has ``_created``
+samples; the format follows ``Accept`` (:mod:`sluice.observability.exposition`).
 
 Every stream metric has ``model`` and ``model_version`` labels (the version is the
 backend's ``version`` attribute: for the embedded engine, the first 12 hex digits of the
 SHA-256 of its weights; empty when a backend has none).
+
+A stream the backend refused before admitting it (``start()`` raised: the client got a
+``400`` or ``503``) is counted once, as a refusal (``sluice_admission_refusals_total``,
+counted by the gateway, and ``sluice_backend_refusals_total`` for capacity): it is not a
+finished stream and has no end-to-end time.
 
 =========================================== =================================================
 metric                                      what
@@ -21,10 +29,11 @@ metric                                      what
                                             SSE connection, edge side, after the write
                                             (histogram; one observation per write)
 ``sluice_queue_seconds``                    stream created -> backend admitted it
-``sluice_e2e_seconds``                      stream created -> terminal event
+``sluice_e2e_seconds``                      stream created -> terminal event (admitted or
+                                            cancelled streams; not refusals)
 ``sluice_streams_active``                   live streams (gauge)
 ``sluice_streams_finished_total``           by ``reason``: stop, length, tool_calls,
-                                            cancelled, client_gone, error
+                                            cancelled, client_gone, error (not refusals)
 ``sluice_tokens_total``                     token events appended
 ``sluice_resumes_total``                    reads that resumed from a Last-Event-ID
 ``sluice_resume_gaps_total``                resumes refused: the position was dropped
@@ -45,37 +54,43 @@ metric                                      what
                                             applied it and its KV blocks are free
                                             (histogram, per ``model``)
 ``sluice_engine_*``                         running and waiting sequences, KV blocks total
-                                            and used, prefix-cache hits, preemptions
-                                            (gauges, per model)
+                                            and used (gauges); ``_prefix_hits_total`` and
+                                            ``_preemptions_total`` since the engine started
+                                            (counters); per ``model``
+``vllm:*``                                  see :mod:`sluice.observability.vllm`
 =========================================== =================================================
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import Counter, Gauge, Histogram
 
 from sluice.errors import CapacityError, TenantLimitError, UnknownModelError
+from sluice.observability.exposition import Registry, encode
 from sluice.observability.logs import log_stream_end
+from sluice.observability.state import ModelState, StateCollector
+from sluice.observability.vllm import VllmFamilies
 from sluice.streams.hub import Stream
 
-__all__ = ["CONTENT_TYPE", "Metrics"]
-
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+__all__ = ["Metrics"]
 
 # Seconds: from sub-millisecond token gaps to minute-long generations.
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
-_ENGINE_GAUGES = {
-    "running": "sequences the engine runs",
-    "waiting": "sequences waiting for the engine",
-    "kv_blocks": "KV-cache blocks in all",
-    "kv_blocks_used": "KV-cache blocks held by sequences",
-    "prefix_hits": "prompt blocks served from the prefix cache since start",
-    "preemptions": "sequences preempted (recomputed later) since start",
-}
+
+
+@dataclass(slots=True)
+class _Timing:
+    """Offsets from a live stream's creation, in seconds, for the phase histograms."""
+
+    admitted_s: float
+    first_token_s: float | None = None
+    last_token_s: float = 0.0
 
 
 class Metrics:
@@ -83,7 +98,7 @@ class Metrics:
 
     def __init__(self, versions: Mapping[str, str]) -> None:
         self._versions = dict(versions)
-        self.registry = registry = CollectorRegistry(auto_describe=True)
+        self.registry = registry = Registry(auto_describe=True)
         labels = ("model", "model_version")
 
         def histogram(name: str, doc: str) -> Histogram:
@@ -140,10 +155,11 @@ class Metrics:
             "Token events merged for lagging readers",
             registry=registry,
         )
-        self.engine = {
-            name: Gauge(f"sluice_engine_{name}", doc, ("model",), registry=registry)
-            for name, doc in _ENGINE_GAUGES.items()
-        }
+        self._state = StateCollector(self._versions)
+        registry.register(self._state)
+        self.vllm = VllmFamilies(registry, self._versions)
+        # Live admitted streams' phase offsets, by stream id (at most the hub's streams).
+        self._timings: dict[str, _Timing] = {}
 
     def _labels(self, stream: Stream) -> tuple[str, str]:
         return stream.model, self._versions.get(stream.model, "")
@@ -154,19 +170,58 @@ class Metrics:
         labels = self._labels(stream)
         self.queue.labels(*labels).observe(queued_s)
         self.active.labels(*labels).inc()
+        self.vllm.series(stream.model).queue.observe(queued_s)
+        self._timings[stream.id] = _Timing(admitted_s=queued_s)
 
     def tokens(self, stream: Stream, count: int, since_s: float, first: bool) -> None:
         labels = self._labels(stream)
         (self.ttft if first else self.itl).labels(*labels).observe(since_s)
         self.tokens_total.labels(*labels).inc(count)
+        vllm = self.vllm.series(stream.model)
+        if first:
+            vllm.ttft.observe(since_s)
+        else:
+            vllm.itl.observe(since_s)
+            vllm.time_per_output_token.observe(since_s)
+        vllm.generation_tokens.inc(count)
+        timing = self._timings.get(stream.id)
+        if timing is not None:
+            # ``since_s`` runs from the previous tokens (the first: from the creation).
+            timing.last_token_s = since_s if first else timing.last_token_s + since_s
+            if first:
+                timing.first_token_s = since_s
 
     def finished(self, stream: Stream, outcome: str, e2e_s: float) -> None:
+        timing = self._timings.pop(stream.id, None)
+        log_stream_end(stream, outcome, e2e_s)  # the stream log (``--access-log``)
+        if not stream.admitted and outcome == "error":
+            return  # refused by the backend: counted as a refusal, not as a stream
         labels = self._labels(stream)
         if stream.admitted:  # counted active by started()
             self.active.labels(*labels).dec()
         self.finished_total.labels(*labels, outcome).inc()
         self.e2e.labels(*labels).observe(e2e_s)
-        log_stream_end(stream, outcome, e2e_s)  # the stream log (``--access-log``)
+        vllm = self.vllm.series(stream.model)
+        self.vllm.success(stream.model, outcome).inc()
+        vllm.e2e.observe(e2e_s)
+        if timing is not None and timing.first_token_s is not None:
+            vllm.prefill.observe(max(0.0, timing.first_token_s - timing.admitted_s))
+            vllm.decode.observe(timing.last_token_s - timing.first_token_s)
+            vllm.inference.observe(max(0.0, timing.last_token_s - timing.admitted_s))
+        usage = stream.usage
+        num_generated = stream.num_tokens
+        if usage is not None:
+            vllm.prompt_tokens.inc(usage.prompt_tokens)
+            vllm.prefix_cache_queries.inc(usage.prompt_tokens)
+            vllm.prefix_cache_hits.inc(usage.cached_tokens)
+            vllm.request_prompt_tokens.observe(usage.prompt_tokens)
+            # Counted live per token event; a backend's token count can be higher (a token
+            # that ends inside a UTF-8 character releases no text, hence no event).
+            if usage.completion_tokens > num_generated:
+                vllm.generation_tokens.inc(usage.completion_tokens - num_generated)
+            num_generated = max(num_generated, usage.completion_tokens)
+        vllm.request_generation_tokens.observe(num_generated)
+        vllm.request_max_num_generation_tokens.observe(num_generated)
 
     def limited(self, stream: Stream, limit: str) -> None:
         self.limited_total.labels(*self._labels(stream), limit).inc()
@@ -207,11 +262,32 @@ class Metrics:
         elif isinstance(exc, UnknownModelError):
             self.refusals.labels("unknown_model").inc()
 
-    async def render(self, engines: Mapping[str, Callable[[], Awaitable[dict[str, int]]]]) -> bytes:
-        """The text exposition, after reading each engine's gauges."""
-        for model, stats in engines.items():
-            for name, value in (await stats()).items():
-                gauge = self.engine.get(name)
-                if gauge is not None:
-                    gauge.labels(model).set(value)
-        return generate_latest(self.registry)
+    async def render(
+        self,
+        engines: Mapping[str, Callable[[], Awaitable[dict[str, int]]]],
+        live: Iterable[Stream] = (),
+        accept: str = "",
+    ) -> tuple[bytes, str]:
+        """The exposition for a scrape whose ``Accept`` header is ``accept``, and its
+        content type, after reading each engine's stats (``engines``) and counting the live
+        streams (``live``) of the models without one."""
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for stream in live:
+            counts = running if stream.admitted else waiting
+            counts[stream.model] = counts.get(stream.model, 0) + 1
+        states = {}
+        for model in self._versions:
+            stats = engines.get(model)
+            if stats is not None:
+                states[model] = ModelState(engine=await stats())
+            else:
+                states[model] = ModelState(
+                    num_streams_running=running.get(model, 0),
+                    num_streams_waiting=waiting.get(model, 0),
+                )
+        self._state.update(states)
+        # Writing several hundred samples takes tens of milliseconds of Python: off the
+        # loop, so a scrape does not stall every stream's tokens for that long.
+        # prometheus-client collects from any thread (its own HTTP server does).
+        return await asyncio.to_thread(encode, self.registry, accept)

@@ -48,7 +48,7 @@ from sluice.errors import (
     TenantLimitError,
     UnknownModelError,
 )
-from sluice.events import Error, Finished, FinishReason, NeutralEvent, Started
+from sluice.events import Error, Finished, FinishReason, NeutralEvent, Started, Usage
 from sluice.streams.ids import new_stream_id
 from sluice.streams.log import EventLog
 from sluice.streams.reader import DeliveryObserver, Reader
@@ -148,6 +148,7 @@ class Stream:
     admitted: bool = False  # the backend's start() succeeded
     # Why the backend refused the work in start(), with its ``retry_after_s``.
     refusal: CapacityError | None = None
+    usage: Usage | None = None  # the ``Usage`` it ended with, for the observer's finished()
     # time.monotonic() at creation, for the observer's latencies.
     created_mono: float = field(default_factory=time.monotonic, repr=False)
     # The grace window while live; the retention window once terminal.
@@ -536,6 +537,8 @@ class StreamHub:
     async def _finish(self, stream: Stream, final: list[NeutralEvent], target: StreamState) -> None:
         for event in final:
             await self._append(stream, event)
+            if isinstance(event, Usage):
+                stream.usage = event
         terminal = final[-1]
         if isinstance(terminal, Finished):
             stream.finish_reason = terminal.reason.value
