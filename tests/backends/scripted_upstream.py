@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,7 @@ __all__ = [
     "DONE",
     "Reply",
     "ScriptedUpstream",
+    "ThreadedUpstream",
     "UpstreamConnection",
     "UpstreamRequest",
     "chat_chunk",
@@ -277,3 +279,50 @@ class ScriptedUpstream:
         body = bytes(buffer[:length])
         del buffer[:length]
         return UpstreamRequest(method, path, headers, body, connection)
+
+
+class ThreadedUpstream:
+    """A :class:`ScriptedUpstream` served by its own event loop in a thread, for tests whose
+    client blocks (a sync SDK) while a real ``sluice serve --upstream`` proxies to it.
+
+    Scripts run on the upstream's loop; ``requests`` and ``errors`` are the server's.
+    """
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.server = ScriptedUpstream()
+
+    def __enter__(self) -> ThreadedUpstream:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(_STOP_TIMEOUT_S)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            stopping = asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop)
+            stopping.result(2 * _STOP_TIMEOUT_S)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(_STOP_TIMEOUT_S)
+            self.loop.close()
+
+    @property
+    def base_url(self) -> str:
+        return self.server.base_url
+
+    @property
+    def requests(self) -> list[UpstreamRequest]:
+        return self.server.requests
+
+    @property
+    def errors(self) -> list[BaseException]:
+        return self.server.errors
+
+    @property
+    def script(self) -> Script:
+        return self.server.script
+
+    @script.setter
+    def script(self, script: Script) -> None:
+        self.server.script = script
