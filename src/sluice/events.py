@@ -34,10 +34,16 @@ class FinishReason(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Started:
-    """The stream exists and its producer has begun; ``created`` is Unix seconds."""
+    """The stream exists and its producer has begun; ``created`` is Unix seconds.
+
+    ``prompt_tokens`` is the prompt's length in tokens as the backend knew it when it
+    admitted the work (the engine and ``words`` do; 0 when it does not yet, as for an
+    upstream, which reports usage at the end); the final count is in :class:`Usage`.
+    """
 
     model: str
     created: int
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +74,11 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    """Terminal: the stream ended for ``reason``."""
+    """Terminal: the stream ended for ``reason``; ``stop_sequence`` is the stop string that
+    ended it, when one did (``reason`` is then ``stop``)."""
 
     reason: FinishReason
+    stop_sequence: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

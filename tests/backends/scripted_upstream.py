@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,8 @@ __all__ = [
     "DONE",
     "Reply",
     "ScriptedUpstream",
+    "ThreadedUpstream",
+    "ToolCallingModel",
     "UpstreamConnection",
     "UpstreamRequest",
     "chat_chunk",
@@ -277,3 +280,122 @@ class ScriptedUpstream:
         body = bytes(buffer[:length])
         del buffer[:length]
         return UpstreamRequest(method, path, headers, body, connection)
+
+
+class ThreadedUpstream:
+    """A :class:`ScriptedUpstream` served by its own event loop in a thread, for tests whose
+    client blocks (a sync SDK) while a real ``sluice serve --upstream`` proxies to it.
+
+    Scripts run on the upstream's loop; ``requests`` and ``errors`` are the server's.
+    """
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.server = ScriptedUpstream()
+
+    def __enter__(self) -> ThreadedUpstream:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(_STOP_TIMEOUT_S)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            stopping = asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop)
+            stopping.result(2 * _STOP_TIMEOUT_S)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(_STOP_TIMEOUT_S)
+            self.loop.close()
+
+    @property
+    def base_url(self) -> str:
+        return self.server.base_url
+
+    @property
+    def requests(self) -> list[UpstreamRequest]:
+        return self.server.requests
+
+    @property
+    def errors(self) -> list[BaseException]:
+        return self.server.errors
+
+    @property
+    def script(self) -> Script:
+        return self.server.script
+
+    @script.setter
+    def script(self, script: Script) -> None:
+        self.server.script = script
+
+
+@dataclass
+class ToolCallingModel:
+    """A script: an upstream model that calls a tool, as vLLM serving a tool-calling model.
+
+    A request whose messages are exactly ``question`` gets a streamed call of ``tool_name``
+    (id ``call_id``, its arguments in ``argument_fragments``), finishing ``tool_calls``; a
+    request whose messages are exactly :meth:`history` (the question, the call, ``result``)
+    gets ``answer``. Every request must carry exactly ``tools``, and ``expected`` fields
+    (``tool_choice``, ``parallel_tool_calls``, ...) with exactly those values; anything else
+    is answered 400 naming what differs, as a real server refuses a malformed history.
+    """
+
+    tools: list[dict[str, Any]]
+    question: list[dict[str, Any]]
+    result: str
+    answer: str
+    tool_name: str = "get_weather"
+    call_id: str = "call_1"
+    argument_fragments: tuple[str, ...] = ('{"city":', '"Paris"}')
+    expected: dict[str, Any] = field(default_factory=dict)
+
+    def call(self) -> dict[str, Any]:
+        """The assistant message of the call, as an OpenAI client sends it back."""
+        arguments = "".join(self.argument_fragments)
+        function = {"name": self.tool_name, "arguments": arguments}
+        return {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": self.call_id, "type": "function", "function": function}],
+        }
+
+    def history(self) -> list[dict[str, Any]]:
+        """The messages of the second turn: the question, the call and its result."""
+        tool = {"role": "tool", "tool_call_id": self.call_id, "content": self.result}
+        return [*self.question, self.call(), tool]
+
+    async def __call__(self, request: UpstreamRequest, reply: Reply) -> None:
+        body = request.json()
+        problems = [
+            f"{name}: expected {value!r}, got {body.get(name)!r}"
+            for name, value in {"tools": self.tools, **self.expected}.items()
+            if body.get(name) != value
+        ]
+        messages = body.get("messages")
+        if messages not in (self.question, self.history()):
+            problems.append(f"messages: not the question nor its history: {messages!r}")
+        if problems:
+            error = {"error": {"message": "; ".join(problems), "type": "invalid_request_error"}}
+            await reply.full(400, json.dumps(error).encode())
+            return
+        if messages == self.question:
+            first = {"index": 0, "id": self.call_id, "type": "function"}
+            first["function"] = {"name": self.tool_name, "arguments": ""}
+            fragments = [
+                sse(chat_chunk(tool_calls=[{"index": 0, "function": {"arguments": part}}]))
+                for part in self.argument_fragments
+            ]
+            await reply.stream(
+                sse(chat_chunk(role="assistant")),
+                sse(chat_chunk(tool_calls=[first])),
+                *fragments,
+                sse(chat_chunk(finish_reason="tool_calls")),
+                sse(usage_chunk(20, 9)),
+            )
+            return
+        await reply.stream(
+            sse(chat_chunk(self.answer, role="assistant")),
+            sse(chat_chunk(finish_reason="stop")),
+            sse(usage_chunk(30, 7)),
+        )

@@ -184,6 +184,28 @@ async def test_finish_reasons_are_mapped(
     assert await collect(backend.generate(PROMPT)) == [Delta([TextDelta("x")], reason)]
 
 
+@pytest.mark.parametrize(
+    ("stop_reason", "stop_sequence"), [("\n\n", "\n\n"), (50256, None), (None, None)]
+)
+async def test_vllms_stop_reason_string_is_the_stop_sequence(
+    upstream: ScriptedUpstream,
+    backend: UpstreamBackend,
+    stop_reason: object,
+    stop_sequence: str | None,
+) -> None:
+    """vLLM names the stop string (or stop token id) that ended the text in ``stop_reason``."""
+
+    async def script(request: UpstreamRequest, reply: Reply) -> None:
+        chunk = completion_chunk("x", finish_reason="stop")
+        chunk["choices"][0]["stop_reason"] = stop_reason
+        await reply.stream(sse(chunk))
+
+    upstream.script = script
+    assert await collect(backend.generate(PROMPT)) == [
+        Delta([TextDelta("x")], FinishReason.STOP, stop_sequence)
+    ]
+
+
 async def test_vllm_abort_finish_reason_is_a_retryable_error(
     upstream: ScriptedUpstream, backend: UpstreamBackend
 ) -> None:

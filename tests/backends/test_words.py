@@ -1,14 +1,25 @@
-"""The words backend: one token per word, text preserved exactly."""
+"""The words backend: one token per word, text preserved exactly, stop strings honoured
+as a model honours them, tools refused."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sluice.backends.base import GenerationRequest
+from sluice.backends.base import (
+    ChatMessage,
+    GenerationRequest,
+    ResponseFormat,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    ToolChoiceMode,
+)
 from sluice.backends.words import WordsBackend, count_words, split_words
+from sluice.errors import BadRequestError
 from sluice.events import FinishReason, TextDelta, ToolCallDelta, Usage
 
 
@@ -75,3 +86,75 @@ def test_abort_stops_emitting() -> None:
     seen, usage = asyncio.run(run())
     assert seen == ["a", " b"]
     assert usage.completion_tokens == 2
+
+
+def finish(prompt: str, **kwargs: object) -> tuple[str, FinishReason | None, str | None, Usage]:
+    """The text, finish reason, stop sequence and usage of one generation."""
+
+    async def run() -> tuple[str, FinishReason | None, str | None, Usage]:
+        generation = WordsBackend().generate(GenerationRequest(prompt, **kwargs))  # type: ignore[arg-type]
+        await generation.start()
+        deltas = [delta async for delta in generation]
+        text = "".join(e.text for d in deltas for e in d.events)  # type: ignore[union-attr]
+        last = deltas[-1]
+        return text, last.finish_reason, last.stop_sequence, generation.usage()
+
+    return asyncio.run(run())
+
+
+def test_the_text_ends_before_the_earliest_stop_string_which_is_reported() -> None:
+    for interval_s in (0.0, 0.001):
+        assert finish("one two three", stop=("three", "two"), interval_s=interval_s) == (
+            "one ",
+            FinishReason.STOP,
+            "two",
+            Usage(prompt_tokens=3, completion_tokens=1),
+        )
+
+
+def test_a_stop_string_inside_a_word_cuts_the_word_and_ties_go_to_the_first_listed() -> None:
+    text, reason, stop, _ = finish("alpha beta", stop=("ta", "t"))
+    assert (text, reason, stop) == ("alpha be", FinishReason.STOP, "ta")
+
+
+def test_a_stop_string_at_the_start_ends_the_stream_with_no_text() -> None:
+    text, reason, stop, usage = finish("stop here", stop=("stop",))
+    assert (text, reason, stop) == ("", FinishReason.STOP, "stop")
+    assert usage == Usage(prompt_tokens=2, completion_tokens=0)
+
+
+def test_max_tokens_before_the_stop_string_is_length_and_no_stop_sequence() -> None:
+    text, reason, stop, _ = finish("a b c d", stop=("d",), max_tokens=2)
+    assert (text, reason, stop) == ("a b", FinishReason.LENGTH, None)
+
+
+def test_a_stop_string_that_never_occurs_changes_nothing() -> None:
+    text, reason, stop, _ = finish("a b", stop=("z",))
+    assert (text, reason, stop) == ("a b", FinishReason.STOP, None)
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"tools": (Tool("f"),)}, "tools:"),
+        ({"tools": (Tool("f"),), "tool_choice": ToolChoice(ToolChoiceMode.AUTO)}, "tools:"),
+        ({"tool_choice": ToolChoice(ToolChoiceMode.REQUIRED)}, "tool_choice:"),
+        ({"tool_choice": ToolChoice(ToolChoiceMode.FUNCTION, "f")}, "tool_choice:"),
+        ({"response_format": ResponseFormat("json_object")}, "response_format:"),
+        ({"messages": (ChatMessage("assistant", "", (ToolCall("c", "f", "{}"),)),)}, "messages:"),
+    ],
+)
+def test_tools_are_refused_naming_the_field(fields: dict[str, object], needle: str) -> None:
+    generation = WordsBackend().generate(GenerationRequest("a", **fields))  # type: ignore[arg-type]
+    with pytest.raises(BadRequestError, match=needle):
+        asyncio.run(generation.start())
+
+
+def test_tools_the_model_must_not_call_and_a_text_format_are_accepted() -> None:
+    text, reason, _, _ = finish(
+        "a b",
+        tools=(Tool("f"),),
+        tool_choice=ToolChoice(ToolChoiceMode.NONE),
+        response_format=ResponseFormat("text"),
+    )
+    assert (text, reason) == ("a b", FinishReason.STOP)

@@ -14,7 +14,8 @@ from sluice.errors import ProtocolError
 from sluice.events import Finished, FinishReason, NeutralEvent, Started, TextDelta, Usage
 
 WEATHER = '{"city": "Paris", "unit": "c"}'
-HELLO: list[NeutralEvent] = [Started("m", 1700), TextDelta("Hel"), TextDelta("lo"), Usage(5, 2)]
+# A five-token prompt (known at admission, and reported again by ``Usage``), two tokens out.
+HELLO: list[NeutralEvent] = [Started("m", 1700, 5), TextDelta("Hel"), TextDelta("lo"), Usage(5, 2)]
 
 Whole = TypeVar("Whole", bound=WholeResponse)
 

@@ -41,8 +41,8 @@ from tests.dialects.helpers import (
 )
 
 
-def renderer(input_tokens: int = 5) -> MessagesRenderer:
-    return MessagesRenderer(message_id="msg_1", model="m", input_tokens=input_tokens)
+def renderer() -> MessagesRenderer:
+    return MessagesRenderer(message_id="msg_1", model="m")
 
 
 def render(events: Sequence[NeutralEvent], r: MessagesRenderer | None = None) -> list[str]:
@@ -59,8 +59,8 @@ def pairs(events: Sequence[NeutralEvent], r: MessagesRenderer | None = None) -> 
     return [(name, orjson.loads(data)) for event in events for name, data in r.render(event)]
 
 
-def accumulate(events: Sequence[NeutralEvent], input_tokens: int = 5) -> Accumulator:
-    acc = Accumulator(message_id="msg_1", model="m", input_tokens=input_tokens)
+def accumulate(events: Sequence[NeutralEvent]) -> Accumulator:
+    acc = Accumulator(message_id="msg_1", model="m")
     return feed_all(acc, events)
 
 
@@ -180,7 +180,7 @@ def test_finish_reason_maps_to_stop_reason(reason: FinishReason, stop_reason: st
 
 def test_usage_moves_cached_tokens_to_cache_read_and_the_last_one_wins() -> None:
     events = [
-        Started("m", 1),
+        Started("m", 1, 5),
         Usage(9, 1),
         Usage(10, 3, cached_tokens=4),
         Finished(FinishReason.STOP),
@@ -197,12 +197,12 @@ def test_usage_moves_cached_tokens_to_cache_read_and_the_last_one_wins() -> None
 
 
 def test_empty_answer_has_no_blocks() -> None:
-    assert pairs([Started("m", 1), Finished(FinishReason.STOP)]) == [*START, *end("end_turn", 0)]
+    assert pairs([Started("m", 1, 5), Finished(FinishReason.STOP)]) == [*START, *end("end_turn", 0)]
 
 
 def test_tool_call_whole_in_one_delta_after_text() -> None:
     events = [
-        Started("m", 1),
+        Started("m", 1, 5),
         TextDelta("Checking."),
         ToolCallDelta(0, WEATHER, id="toolu_1", name="weather"),
         Usage(5, 12),
@@ -221,7 +221,7 @@ def test_tool_call_whole_in_one_delta_after_text() -> None:
 
 
 def test_tool_call_one_character_per_delta() -> None:
-    events: list[NeutralEvent] = [Started("m", 1), ToolCallDelta(0, "", id="t", name="w")]
+    events: list[NeutralEvent] = [Started("m", 1, 5), ToolCallDelta(0, "", id="t", name="w")]
     events += [ToolCallDelta(0, c) for c in WEATHER]
     assert pairs([*events, Usage(5, 9), Finished(FinishReason.TOOL_CALLS)]) == [
         *START,
@@ -234,7 +234,7 @@ def test_tool_call_one_character_per_delta() -> None:
 
 def test_parallel_and_zero_argument_tool_calls_are_sequential_blocks() -> None:
     events = [
-        Started("m", 1),
+        Started("m", 1, 5),
         ToolCallDelta(0, '{"city":', id="t_a", name="weather"),
         ToolCallDelta(0, '"Oslo"}'),
         ToolCallDelta(1, "{}", id="t_b", name="now"),
@@ -315,10 +315,31 @@ def test_nothing_renders_after_the_terminal_event(terminal: NeutralEvent) -> Non
     assert_renders_nothing_after(renderer().render, terminal)
 
 
+def test_a_matched_stop_sequence_is_the_stop_reason_with_its_string() -> None:
+    frames = pairs([*HELLO, Finished(FinishReason.STOP, stop_sequence="END")])
+    assert frames[-2] == (
+        "message_delta",
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": "stop_sequence", "stop_sequence": "END"},
+            "usage": {"input_tokens": 5, "output_tokens": 2},
+        },
+    )
+
+
+def test_message_start_counts_the_prompt_tokens_known_at_admission() -> None:
+    frames = pairs([Started("m", 1, 42), Finished(FinishReason.STOP)])
+    assert frames[0][1]["message"]["usage"] == {"input_tokens": 42, "output_tokens": 0}  # type: ignore[index]
+    # No Usage event came: the end repeats what message_start said.
+    assert frames[-2][1]["usage"] == {"input_tokens": 42, "output_tokens": 0}  # type: ignore[index]
+
+
 # --- whole messages -----------------------------------------------------------------------
 
 
-def message(content: list[object], stop_reason: str, usage: object) -> dict[str, object]:
+def message(
+    content: list[object], stop_reason: str, usage: object, stop_sequence: str | None = None
+) -> dict[str, object]:
     return {
         "id": "msg_1",
         "type": "message",
@@ -326,7 +347,7 @@ def message(content: list[object], stop_reason: str, usage: object) -> dict[str,
         "model": "m",
         "content": content,
         "stop_reason": stop_reason,
-        "stop_sequence": None,
+        "stop_sequence": stop_sequence,
         "usage": usage,
     }
 
@@ -341,8 +362,18 @@ def test_accumulator_text() -> None:
     )
 
 
+def test_accumulator_reports_the_matched_stop_sequence() -> None:
+    acc = accumulate([*HELLO, Finished(FinishReason.STOP, stop_sequence=".")])
+    assert acc.result() == message(
+        [{"type": "text", "text": "Hello"}],
+        "stop_sequence",
+        {"input_tokens": 5, "output_tokens": 2},
+        stop_sequence=".",
+    )
+
+
 def test_accumulator_tool_calls_parse_their_input() -> None:
-    events: list[NeutralEvent] = [Started("m", 1), TextDelta("Let me see.")]
+    events: list[NeutralEvent] = [Started("m", 1, 5), TextDelta("Let me see.")]
     events.append(ToolCallDelta(0, "", id="t_a", name="weather"))
     events.append(ToolCallDelta(1, "{}", id="t_b", name="now"))
     events += [ToolCallDelta(0, c) for c in WEATHER]  # interleaved: fine when whole
@@ -435,23 +466,24 @@ def test_error_type_for_status(status: int, type_: str) -> None:
 SDK_CASES: dict[str, list[NeutralEvent]] = {
     "text": [*HELLO, Finished(FinishReason.STOP)],
     "length": [*HELLO, Finished(FinishReason.LENGTH)],
-    "no_usage_event": [Started("m", 1), TextDelta("hi"), Finished(FinishReason.STOP)],
+    "no_usage_event": [Started("m", 1, 5), TextDelta("hi"), Finished(FinishReason.STOP)],
+    "stop_sequence": [*HELLO, Finished(FinishReason.STOP, stop_sequence="\n\n")],
     "tool_whole": [
-        Started("m", 1),
+        Started("m", 1, 5),
         TextDelta("Let me check."),
         ToolCallDelta(0, WEATHER, id="toolu_1", name="weather"),
         Usage(3, 7),
         Finished(FinishReason.TOOL_CALLS),
     ],
     "tool_chars": [
-        Started("m", 1),
+        Started("m", 1, 5),
         ToolCallDelta(0, "", id="toolu_1", name="weather"),
         *[ToolCallDelta(0, c) for c in WEATHER],
         Usage(5, 11),
         Finished(FinishReason.TOOL_CALLS),
     ],
     "parallel_and_zero_args": [
-        Started("m", 1),
+        Started("m", 1, 5),
         ToolCallDelta(0, '{"city":"Oslo"}', id="t_a", name="weather"),
         ToolCallDelta(1, "{}", id="t_b", name="now"),
         ToolCallDelta(2, "", id="t_c", name="ping"),

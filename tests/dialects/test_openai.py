@@ -185,6 +185,11 @@ def test_chat_finish_reason_maps_to_openai(reason: FinishReason, wire: str) -> N
     assert data[-2:] == [chunk({}, wire), DONE]
 
 
+def test_a_matched_stop_sequence_is_still_finish_reason_stop() -> None:
+    events = [Started("m", 1), TextDelta("x"), Finished(FinishReason.STOP, stop_sequence=".")]
+    assert parsed(render(events))[-2:] == [chunk({}, "stop"), DONE]
+
+
 def test_chat_tool_call_whole_in_one_delta() -> None:
     events = [Started("m", 1), ToolCallDelta(0, WEATHER, id="call_1", name="weather")]
     data = parsed(render([*events, Finished(FinishReason.TOOL_CALLS)]))

@@ -78,3 +78,34 @@ def test_without_the_header_frames_have_no_ids(server: ServerProcess) -> None:
     assert [f.event for f in frames][:2] == ["message_start", "ping"]
     assert frames[-1].event == "message_stop"
     assert all(f.id == "" for f in frames)
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+def test_a_frame_id_past_the_frames_of_its_event_is_refused(
+    server: ServerProcess, path: str
+) -> None:
+    """``<id>:<n>.<k>`` names frame k of event n+1; a k that event never had is a 400 before
+    any response, not a 200 that skips the rest of the stream."""
+    response = httpx.post(
+        f"{server.base_url}{path}", json=BODIES[path], headers={"X-Sluice-Resumable": "true"}
+    )
+    stream_id = response.headers["x-sluice-stream-id"]
+    frames = Decoder().feed(response.content)
+    wait_for_state(server, stream_id, "finished")
+    events_path = f"/v1/streams/{stream_id}/events"
+    last_seq = int(frames[-1].id.rsplit(":", 1)[1])
+    # Every event but the last: a frame suffix of 9999 is past the frames of the next one.
+    for seq in range(1, last_seq):
+        response_ = open_get(server.port, events_path, {"Last-Event-ID": f"{stream_id}:{seq}.9999"})
+        assert response_.status == 400, (seq, response_.status)
+        assert b"bad_event_id" in response_.sized_body()
+        response_.close()
+    # The terminal event renders several frames; one past its last frame id is refused,
+    # its last frame id itself resumes with the one frame that follows it.
+    terminal_frames = [f for f in frames if f.id.startswith(f"{stream_id}:{last_seq - 1}.")]
+    assert terminal_frames
+    past = f"{stream_id}:{last_seq - 1}.{len(terminal_frames) + 1}"
+    refused = open_get(server.port, events_path, {"Last-Event-ID": past})
+    assert refused.status == 400
+    refused.close()
+    assert _read(server, events_path, terminal_frames[-1].id) == frames[-1:]

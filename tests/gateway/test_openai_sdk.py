@@ -151,3 +151,86 @@ def test_closing_the_stream_cancels_the_generation(
             pass
     described = wait_for_state(server, stream_id, "cancelled")
     assert described["tokens"] < 200
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+TOOL_CALL_HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+]
+
+
+@pytest.mark.parametrize("model", ["words", MODEL])
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"tools": TOOLS}, "tools:"),
+        ({"tools": TOOLS, "tool_choice": "auto"}, "tools:"),
+        ({"tools": TOOLS, "tool_choice": "required"}, "tools:"),
+        ({"tool_choice": "required"}, "tool_choice:"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice:"),
+        ({"response_format": {"type": "json_object"}}, "response_format:"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format:",
+        ),
+        ({"messages": TOOL_CALL_HISTORY}, "messages:"),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "functions:"),
+    ],
+)
+def test_a_backend_that_cannot_call_tools_refuses_them_naming_the_field(
+    client: openai.OpenAI, model: str, fields: dict[str, object], needle: str
+) -> None:
+    body: dict[str, object] = {"model": model, "messages": MESSAGES, "max_tokens": 4, **fields}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.chat.completions.create(stream=stream, **body)  # type: ignore[call-overload]
+        assert needle in str(raised.value)
+
+
+def test_tools_the_model_must_not_call_and_a_text_format_are_honoured_by_words(
+    client: openai.OpenAI,
+) -> None:
+    answer = client.chat.completions.create(
+        model="words",
+        messages=[{"role": "user", "content": "no tools here"}],
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="none",
+        response_format={"type": "text"},
+    )
+    assert answer.choices[0].message.content == "no tools here"
+
+
+def test_the_words_model_honours_stop_strings_like_a_model(client: openai.OpenAI) -> None:
+    chunks = client.chat.completions.create(
+        model="words",
+        messages=[{"role": "user", "content": "one two three. four"}],
+        stop=["three", "two"],
+        stream=True,
+    )
+    parts = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(p.delta.content or "" for p in parts) == "one "
+    assert parts[-1].finish_reason == "stop"
+
+    whole = client.completions.create(model="words", prompt="one two three. four", stop=".")
+    assert whole.choices[0].text == "one two three"
+    assert whole.choices[0].finish_reason == "stop"

@@ -146,3 +146,19 @@ def test_an_upstream_dying_mid_stream_is_one_clean_in_band_error() -> None:
     assert set(last) == {"error"}
     assert "upstream" in last["error"]["message"]
     assert all("error" not in orjson.loads(d) for d in datas[:-1])
+
+
+def test_tools_reach_the_far_engine_which_refuses_them_naming_the_field(
+    proxy: ServerProcess,
+) -> None:
+    """The proxy sends tools on; the engine behind it cannot call them, and its 400 comes
+    back through the proxy as the client's own 400, naming the field."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(openai.BadRequestError) as raised:
+        client(proxy).chat.completions.create(
+            model="sluice-tiny",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            tools=tools,  # type: ignore[arg-type]
+            stream=True,
+        )
+    assert "tools: this model cannot call tools" in str(raised.value)

@@ -72,7 +72,7 @@ def test_headers_and_retry_arrive_before_any_event_then_idle_heartbeats(
     assert head_s < 1.0
     ping_times = []
     for piece in pieces:
-        assert piece == b": ping\n\n"
+        assert piece == b": ping\n"  # a bare comment line: no blank line, no empty event
         ping_times.append(time.monotonic())
         if len(ping_times) == 3:
             break

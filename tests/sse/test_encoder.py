@@ -112,26 +112,35 @@ def test_encode_event_rejects_lone_surrogates(data: str, event: str | None, id: 
 # --- encode_comment ----------------------------------------------------------------------
 
 
-def test_encode_comment_empty_is_bare_colon() -> None:
-    assert encode_comment() == b":\n\n"
-    assert encode_comment("") == b":\n\n"
+def test_encode_comment_empty_is_bare_colon_line() -> None:
+    assert encode_comment() == b":\n"
+    assert encode_comment("") == b":\n"
 
 
-def test_encode_comment_with_text() -> None:
-    assert encode_comment("keep-alive") == b": keep-alive\n\n"
+def test_encode_comment_is_one_line_with_no_blank_line_after_it() -> None:
+    assert encode_comment("ping") == b": ping\n"
+    assert encode_comment("keep-alive") == b": keep-alive\n"
 
 
 @pytest.mark.parametrize("line_end", ["\n", "\r", "\r\n"], ids=["lf", "cr", "crlf"])
 def test_encode_comment_splits_lines(line_end: str) -> None:
-    assert encode_comment(f"a{line_end}b") == b": a\n: b\n\n"
+    assert encode_comment(f"a{line_end}b") == b": a\n: b\n"
 
 
 def test_encode_comment_empty_lines_are_bare_colons() -> None:
-    assert encode_comment("a\n\nb\n") == b": a\n:\n: b\n:\n\n"
+    assert encode_comment("a\n\nb\n") == b": a\n:\n: b\n:\n"
 
 
 def test_encode_comment_encodes_unicode_as_utf8() -> None:
-    assert encode_comment("\u00e9\U0001f642") == ": \u00e9\U0001f642\n\n".encode()
+    assert encode_comment("\u00e9\U0001f642") == ": \u00e9\U0001f642\n".encode()
+
+
+@given(text=st.text(alphabet=st.characters(exclude_categories=["Cs"])))
+def test_encode_comment_never_writes_a_blank_line(text: str) -> None:
+    """Choice 6: every line it writes starts with a colon, so none is blank."""
+    lines = encode_comment(text).decode().split("\n")
+    assert lines[-1] == ""
+    assert all(line.startswith(":") for line in lines[:-1])
 
 
 def test_encode_comment_rejects_lone_surrogate() -> None:

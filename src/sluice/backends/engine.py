@@ -37,7 +37,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from sluice.backends.admission import RetryAfterPacer, StepCostModel, TtftPredictor
-from sluice.backends.base import Delta, GenerationRequest
+from sluice.backends.base import Delta, GenerationRequest, refuse_tools
 from sluice.backends.chat import SIMPLE_TEMPLATE, ChatTemplate
 from sluice.engine.driver import AsyncEngine, EngineDriverError, RequestStream
 from sluice.engine.engine import Engine, RequestOutput
@@ -138,6 +138,7 @@ class EngineGeneration:
         if self._stream is not None or self._aborted:
             return
         try:
+            refuse_tools(self._request)  # a BadRequestError naming the field
             prompt = self._request.prompt
             if self._request.messages is not None:
                 prompt = self._chat.render(self._request.messages)
@@ -233,7 +234,7 @@ class EngineGeneration:
                     if output.finish_reason is not None:
                         reason = _FINISH_REASONS[output.finish_reason]
                 events = [TextDelta(output.new_text)] if output.new_text else []
-                yield Delta(events, reason)
+                yield Delta(events, reason, output.stop_sequence)
         except EngineDriverError as exc:
             self._finished = True  # the driver has already dropped the request
             raise BackendError(str(exc), retryable=True) from exc

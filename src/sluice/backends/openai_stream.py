@@ -9,7 +9,9 @@ more) and keeps the usage and finish reason.
 A chunk's ``choices[0].delta.content`` (chat) or ``choices[0].text`` (completions) becomes
 a :class:`~sluice.events.TextDelta`, each ``delta.tool_calls[]`` entry a
 :class:`~sluice.events.ToolCallDelta`; ``usage`` is kept. ``reasoning_content`` and other
-fields are ignored. Finish reasons outside our four are mapped by ``_FINISH_REASONS``: the
+fields are ignored, except vLLM's ``stop_reason``: with finish reason ``stop`` it is the stop
+string that matched (or a stop token id), and a string becomes the delta's
+``stop_sequence``. Finish reasons outside our four are mapped by ``_FINISH_REASONS``: the
 upstream ended the output on purpose (``content_filter``, TGI's ``eos_token``, anything
 unknown) -> ``stop``; vLLM's ``abort`` (the engine dropped the request) is a retryable
 error.
@@ -59,7 +61,16 @@ class ChunkReader:
     so far).
     """
 
-    __slots__ = ("_chat", "_quote", "_url", "done", "finish_reason", "num_events", "usage")
+    __slots__ = (
+        "_chat",
+        "_quote",
+        "_url",
+        "done",
+        "finish_reason",
+        "num_events",
+        "stop_sequence",
+        "usage",
+    )
 
     def __init__(self, *, url: str, chat: bool, quote: Callable[[str], str]) -> None:
         self._url = url
@@ -67,6 +78,7 @@ class ChunkReader:
         self._quote = quote
         self.done = False
         self.finish_reason: FinishReason | None = None
+        self.stop_sequence: str | None = None  # vLLM's stop_reason, when a string ended it
         self.num_events = 0
         self.usage: Usage | None = None
 
@@ -86,7 +98,7 @@ class ChunkReader:
         if reason is not None:
             self.finish_reason = reason
         if events or reason is not None:
-            return Delta(events, reason)
+            return Delta(events, reason, self.stop_sequence if reason is not None else None)
         return None
 
     def _read_chunk(
@@ -116,6 +128,9 @@ class ChunkReader:
         if not isinstance(choice, dict):
             raise self._malformed("a choice that is not an object", data)
         reason = self._finish_reason_of(choice.get("finish_reason"), data)
+        if reason is not None:
+            matched = choice.get("stop_reason") if choice.get("finish_reason") == "stop" else None
+            self.stop_sequence = matched if isinstance(matched, str) and matched else None
         if self._chat:
             delta = choice.get("delta")
             if delta is None and reason is not None:

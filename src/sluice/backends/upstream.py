@@ -3,8 +3,9 @@
 vLLM, TGI, llama.cpp, Ollama and OpenAI itself all stream ``POST /chat/completions`` and
 ``POST /completions`` as server-sent events of JSON chunks ending in ``data: [DONE]``.
 :class:`UpstreamBackend` owns one ``httpx.AsyncClient`` (its connection pool) for one such
-server; each :class:`UpstreamGeneration` is one streamed request, sent when iteration
-starts (``start()``, or the first iteration) and read with our own bounded SSE decoder
+server; each :class:`UpstreamGeneration` is one streamed request (its body built by
+:mod:`sluice.backends.upstream_body`, tools included), sent when iteration starts
+(``start()``, or the first iteration) and read with our own bounded SSE decoder
 (:class:`sluice.sse.Decoder`). ``start()`` returns once the response head is in, so a
 refusal (a status, a refused connection) is raised there and can become an HTTP status.
 
@@ -51,6 +52,7 @@ import orjson
 
 from sluice.backends.base import Delta, GenerationRequest
 from sluice.backends.openai_stream import CAPACITY_STATUSES, ChunkReader, message_of
+from sluice.backends.upstream_body import request_body
 from sluice.errors import (
     BackendError,
     BadRequestError,
@@ -344,27 +346,6 @@ def _retry_after_s(value: str | None) -> float:
     return max(0.0, when.timestamp() - time.time())
 
 
-def _request_body(request: GenerationRequest, upstream_model: str) -> bytes:
-    body: dict[str, object] = {
-        "model": upstream_model,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if request.messages is not None:
-        body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
-    else:
-        body["prompt"] = request.prompt
-    for name in ("max_tokens", "temperature", "top_p", "seed", "top_k"):
-        value = getattr(request, name)
-        if value is not None:
-            body[name] = value  # top_k is not OpenAI's; vLLM and llama.cpp accept it
-    if request.stop:
-        body["stop"] = list(request.stop)
-    if request.ignore_eos:
-        body["ignore_eos"] = True  # vLLM's extension (and ours); sent only when asked for
-    return orjson.dumps(body)
-
-
 class UpstreamBackend:
     """Serves ``model`` from an OpenAI-compatible server at ``base_url`` (``.../v1``).
 
@@ -437,7 +418,7 @@ class UpstreamBackend:
     def generate(self, request: GenerationRequest) -> UpstreamGeneration:
         chat = request.messages is not None
         url = self._chat_url if chat else self._completions_url
-        body = _request_body(request, self._upstream_model)
+        body = request_body(request, self._upstream_model)
         return UpstreamGeneration(self._upstream, url, body, chat=chat)
 
     async def aclose(self) -> None:

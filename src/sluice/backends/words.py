@@ -4,6 +4,13 @@ A demo ("one SSE event per word") and a deterministic test source. The token tex
 concatenated equal the prompt exactly, whitespace included: each token is a word with the
 whitespace before it, and trailing whitespace rides on the last word. A chat request gets
 its last message's words back.
+
+Stop strings are honoured as the engine honours them: the text ends just before the
+earliest place any of them occurs (the first listed wins a tie), the stop string itself is
+never sent, and the stream finishes ``stop`` with that string as the
+``stop_sequence``. The word ending there is cut short if the stop string begins inside
+it. ``max_tokens`` still counts words of what is sent. Tools and constrained output are
+refused (:func:`~sluice.backends.base.refuse_tools`).
 """
 
 from __future__ import annotations
@@ -14,13 +21,14 @@ import re
 from collections.abc import AsyncIterator, Iterator
 from itertools import islice
 
-from sluice.backends.base import Delta, GenerationRequest
+from sluice.backends.base import Delta, GenerationRequest, refuse_tools
 from sluice.events import FinishReason, TextDelta, Usage
 
 __all__ = [
     "WordsBackend",
     "WordsGeneration",
     "count_words",
+    "cut_at_stop",
     "cut_words",
     "iter_words",
     "split_words",
@@ -80,6 +88,18 @@ def count_words(text: str) -> int:
     return count if count or not text else 1
 
 
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, str | None]:
+    """``text`` up to the earliest occurrence of a stop string, and that string (``None``
+    when none occurs: then ``text`` is whole). The first listed wins a tie."""
+    cut: int | None = None
+    matched: str | None = None
+    for candidate in stop:
+        index = text.find(candidate)
+        if index != -1 and (cut is None or index < cut):
+            cut, matched = index, candidate
+    return (text, None) if cut is None else (text[:cut], matched)
+
+
 class WordsGeneration:
     """One pass over the words of a prompt, paced by ``interval_s``.
 
@@ -87,12 +107,14 @@ class WordsGeneration:
     prompt and an iterator, not a list of every word.
     """
 
-    __slots__ = ("_aborted", "_finished", "_num_emitted", "_request")
+    __slots__ = ("_aborted", "_finished", "_num_emitted", "_request", "_stop_sequence", "_text")
 
     def __init__(self, request: GenerationRequest) -> None:
         if request.messages:
             request = dataclasses.replace(request, prompt=request.messages[-1].content)
         self._request = request
+        # What is sent: the prompt, up to a stop string if one occurs.
+        self._text, self._stop_sequence = cut_at_stop(request.prompt, request.stop)
         self._num_emitted = 0
         self._aborted = False
         self._finished = False  # every word of the prompt was sent
@@ -102,30 +124,36 @@ class WordsGeneration:
         return self._num_emitted
 
     async def start(self) -> None:
-        """Nothing to admit: the text is already here."""
+        """Nothing to admit: the text is already here. Tools are refused."""
+        refuse_tools(self._request)
 
     def __aiter__(self) -> AsyncIterator[Delta]:
         return self._run()
 
     async def _run(self) -> AsyncIterator[Delta]:
         request = self._request
-        text = request.prompt
+        text = self._text
         max_tokens = request.max_tokens
         interval_s = request.interval_s
         # Paced: one word per delta. Unpaced: bursts of words, yielding the loop between.
         burst = 1 if interval_s > 0 else _UNPACED_BURST
         pos = 0
+        if not text and self._stop_sequence is not None and not self._aborted:
+            yield Delta((), FinishReason.STOP, self._stop_sequence)  # stopped before a word
+            return
         while pos < len(text) and not self._aborted:
             limit = burst if max_tokens is None else min(burst, max_tokens - self._num_emitted)
             tokens, pos = cut_words(text, pos, limit)
             self._num_emitted += len(tokens)
             reason = None
+            stop_sequence = None
             if pos >= len(text):
                 reason = FinishReason.STOP
-                self._finished = True
+                stop_sequence = self._stop_sequence
+                self._finished = self._stop_sequence is None
             elif max_tokens is not None and self._num_emitted >= max_tokens:
                 reason = FinishReason.LENGTH
-            yield Delta(list(map(TextDelta, tokens)), reason)
+            yield Delta(list(map(TextDelta, tokens)), reason, stop_sequence)
             if reason is not None:
                 return
             await asyncio.sleep(interval_s)

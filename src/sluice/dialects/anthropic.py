@@ -27,11 +27,16 @@ Decisions, numbered:
 2. The first fragment of each tool call index must carry ``id`` and ``name`` (the neutral
    contract), else ``ProtocolError``; a later one that repeats them is a continuation.
 3. Rendering after the terminal event raises ``ProtocolError`` (as h11 does).
-4. Usage: ``message_start`` carries the ``input_tokens`` given to the renderer (0 if not
-   known yet) and ``output_tokens: 0``; ``message_delta`` carries the final cumulative
-   ``input_tokens`` and ``output_tokens`` (the SDK overwrites its snapshot with both).
-   Sluice's ``prompt_tokens`` counts cached tokens and Anthropic's ``input_tokens`` does
-   not, so cached tokens move to ``cache_read_input_tokens`` (present only when non-zero).
+4. Usage: ``message_start`` carries ``Started.prompt_tokens`` as ``input_tokens`` (the
+   prompt's real length when the backend knew it at admission, as the engine and
+   ``words`` do; 0 for an upstream, whose usage comes at the end) and ``output_tokens:
+   0``; ``message_delta`` carries the final cumulative ``input_tokens`` and
+   ``output_tokens`` of the last ``Usage`` event (the SDK overwrites its snapshot with
+   both), or those of ``message_start`` if there was none. Sluice's
+   ``prompt_tokens`` counts cached tokens and Anthropic's ``input_tokens`` does not, so
+   in ``message_delta`` cached tokens move to ``cache_read_input_tokens`` (present only
+   when non-zero); ``message_start`` cannot split them yet (the prefix cache is looked up
+   when the prompt is scheduled) and counts the whole prompt.
 5. Errors share the compatible dialects' status table (:mod:`sluice.dialects.common`):
    ``invalid_request`` 400 ``invalid_request_error``; ``overloaded`` or retryable 503
    ``overloaded_error``; ``backend_error`` 502 and anything else 500 ``api_error``; a
@@ -40,6 +45,9 @@ Decisions, numbered:
 6. The whole message's ``tool_use.input`` is the call's arguments parsed as a JSON object;
    empty arguments give ``{}``, and so do arguments that are not a JSON object (a call cut
    off by ``max_tokens``), since the API's ``input`` is always an object.
+7. A stream that a stop string ended (``Finished(stop, stop_sequence=s)``) has
+   ``stop_reason: "stop_sequence"`` and ``stop_sequence: s``, in ``message_delta`` and in
+   the whole message; any other end has ``stop_sequence: null``.
 """
 
 from __future__ import annotations
@@ -75,6 +83,15 @@ _STOP_REASON = {
     FinishReason.LENGTH: "max_tokens",
     FinishReason.TOOL_CALLS: "tool_use",
 }
+_STOP_SEQUENCE = "stop_sequence"  # decision 7
+
+
+def _stop(reason: FinishReason, stop_sequence: str | None) -> tuple[str, str | None]:
+    """Decision 7: ``stop_reason`` and ``stop_sequence`` of a stream that ended well."""
+    if stop_sequence is not None and reason is FinishReason.STOP:
+        return _STOP_SEQUENCE, stop_sequence
+    return _STOP_REASON[reason], None
+
 
 _TYPE_BY_STATUS = {
     **SHARED_TYPE_BY_STATUS,
@@ -114,13 +131,13 @@ class _MessageHead:
 
     message_id: str
     model: str
-    input_tokens: int
 
     def message(
         self,
         content: list[dict[str, object]],
         stop_reason: str | None,
         usage: Mapping[str, object],
+        stop_sequence: str | None = None,
     ) -> dict[str, object]:
         return {
             "id": self.message_id,
@@ -129,14 +146,14 @@ class _MessageHead:
             "model": self.model,
             "content": content,
             "stop_reason": stop_reason,
-            "stop_sequence": None,
+            "stop_sequence": stop_sequence,
             "usage": usage,
         }
 
     def usage(self, usage: Usage | None) -> dict[str, object]:
-        """Decision 4: the ``usage`` of ``message_start`` (``None``) or of the end."""
+        """Decision 4: ``usage`` as Anthropic writes it (nothing known: zeros)."""
         if usage is None:
-            return {"input_tokens": self.input_tokens, "output_tokens": 0}
+            return {"input_tokens": 0, "output_tokens": 0}
         payload: dict[str, object] = {"input_tokens": usage.prompt_tokens - usage.cached_tokens}
         if usage.cached_tokens:
             payload["cache_read_input_tokens"] = usage.cached_tokens
@@ -163,8 +180,8 @@ class MessagesRenderer:
         "_usage",
     )
 
-    def __init__(self, *, message_id: str, model: str, input_tokens: int = 0) -> None:
-        self._head = _MessageHead(message_id, model, input_tokens)
+    def __init__(self, *, message_id: str, model: str) -> None:
+        self._head = _MessageHead(message_id, model)
         self._usage: Usage | None = None
         self._num_blocks = 0
         self._open_block: int | None = None  # the index of the block now open
@@ -199,8 +216,9 @@ class MessagesRenderer:
                 return frames
             case ToolCallDelta():
                 return self._tool_call(event)
-            case Started():
-                message = self._head.message([], None, self._head.usage(None))
+            case Started(prompt_tokens=prompt_tokens):
+                self._usage = Usage(prompt_tokens, 0)  # until a Usage event (decision 4)
+                message = self._head.message([], None, self._head.usage(self._usage))
                 return [
                     ("message_start", dumps({"type": "message_start", "message": message})),
                     ("ping", _PING),
@@ -211,12 +229,13 @@ class MessagesRenderer:
             case Finished(reason=FinishReason.CANCELLED) | Error():
                 self._terminated = True
                 return [("error", dumps(_failure_body(failure_of(event))))]
-            case Finished(reason=reason):
+            case Finished(reason=reason, stop_sequence=stop_sequence):
                 self._terminated = True
                 frames = self._stop_block()
+                stop_reason, stop_sequence = _stop(reason, stop_sequence)
                 delta = {
                     "type": "message_delta",
-                    "delta": {"stop_reason": _STOP_REASON[reason], "stop_sequence": None},
+                    "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                     "usage": self._head.usage(self._usage),
                 }
                 frames.append(("message_delta", dumps(delta)))
@@ -305,20 +324,27 @@ class Accumulator(WholeResponse):
 
     __slots__ = ("_blocks", "_head", "_tool_blocks")
 
-    def __init__(self, *, message_id: str, model: str, input_tokens: int = 0) -> None:
+    def __init__(self, *, message_id: str, model: str) -> None:
         super().__init__(description="Anthropic message", finish_reasons=_STOP_REASON)
-        self._head = _MessageHead(message_id, model, input_tokens)
+        self._head = _MessageHead(message_id, model)
         self._blocks: list[_Block] = []
         self._tool_blocks: dict[int, _Block] = {}
 
     def result(self) -> dict[str, object]:
         """The whole ``message``; raises ``ProtocolError`` unless it finished well."""
         stop_reason = self._finished_well()
+        stop_sequence = None
+        if self._stop_sequence is not None and stop_reason == _STOP_REASON[FinishReason.STOP]:
+            stop_reason, stop_sequence = _STOP_SEQUENCE, self._stop_sequence
         return self._head.message(
             [block.payload() for block in self._blocks],
             stop_reason,
             self._head.usage(self._usage),
+            stop_sequence,
         )
+
+    def _started(self, event: Started) -> None:
+        self._usage = Usage(event.prompt_tokens, 0)  # until a Usage event (decision 4)
 
     def _text(self, text: str) -> None:
         if not self._blocks or self._blocks[-1].id is not None:

@@ -92,7 +92,14 @@ class WholeResponse(ABC):
     name for each reason (looked up when the terminal event is fed).
     """
 
-    __slots__ = ("_description", "_failure", "_finish_reason", "_finish_reasons", "_usage")
+    __slots__ = (
+        "_description",
+        "_failure",
+        "_finish_reason",
+        "_finish_reasons",
+        "_stop_sequence",
+        "_usage",
+    )
 
     def __init__(
         self,
@@ -104,6 +111,7 @@ class WholeResponse(ABC):
         self._finish_reasons = finish_reasons
         self._usage: Usage | None = None
         self._finish_reason: str | None = None
+        self._stop_sequence: str | None = None  # the stop string that ended it, if one did
         self._failure: tuple[int, dict[str, object]] | None = None
 
     @property
@@ -131,10 +139,12 @@ class WholeResponse(ABC):
                 failure = failure_of(event)
                 self._failure = failure.status, self._failure_body(failure)
                 return
-            case Finished(reason=reason):
+            case Finished(reason=reason, stop_sequence=stop_sequence):
                 self._finish_reason = self._finish_reasons[reason]
+                self._stop_sequence = stop_sequence
                 return
             case Started():
+                self._started(event)
                 return
         raise TypeError(f"not a neutral event: {event!r}")
 
@@ -153,6 +163,9 @@ class WholeResponse(ABC):
     @abstractmethod
     def result(self) -> dict[str, object]:
         """The whole response; raises ``ProtocolError`` unless it finished well."""
+
+    def _started(self, event: Started) -> None:  # noqa: B027 (a hook, not abstract)
+        """The stream's ``Started`` event (nothing to keep by default)."""
 
     @abstractmethod
     def _text(self, text: str) -> None: ...

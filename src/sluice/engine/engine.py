@@ -102,7 +102,8 @@ class RequestOutput:
 
     ``new_text`` is the text released this step (held-back text that may begin a stop
     string comes later, or never). ``logprobs`` holds one logprob per new token when the
-    request asked for them, else None.
+    request asked for them, else None. ``stop_sequence`` is the stop string that finished
+    the request, when one did.
     """
 
     request_id: int
@@ -115,6 +116,7 @@ class RequestOutput:
     num_cached_tokens: int
     logprobs: tuple[float, ...] | None = None
     produced_at: float = 0.0  # time.monotonic() when its step sampled it
+    stop_sequence: str | None = None
 
 
 class _Request:
@@ -295,6 +297,7 @@ class Engine:
                     num_cached_tokens=request.num_cached_tokens,
                     logprobs=(logprob,) if request.params.logprobs else None,
                     produced_at=produced_at,
+                    stop_sequence=request.detokenizer.stop if reason == "stop" else None,
                 )
             )
         return sampled, outputs, finished

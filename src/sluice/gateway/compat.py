@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response
 
 from sluice.dialects import anthropic, openai
 from sluice.errors import (
+    BadEventIdError,
     CapacityError,
     ResumeGapError,
     SluiceError,
@@ -74,33 +75,38 @@ class DialectFramer:
     """A reader's records as a dialect's SSE frames; ids only for resumable streams.
 
     The last frame an event renders to carries the event's id; frames before it carry
-    frame ids (see :mod:`sluice.streams.ids`). ``skip`` drops the first frames of the first
-    event rendered: a client that resumes from a frame id already has them.
+    frame ids (see :mod:`sluice.streams.ids`). ``first`` holds the frames of the first event
+    to come, already rendered and with the ones a resuming client has dropped (it resumed
+    from a frame id); the renderer has seen that event, so it is not rendered again.
     """
 
-    __slots__ = ("_refuse", "_renderer", "_skip", "_stream_id")
+    __slots__ = ("_first", "_refuse", "_renderer", "_stream_id")
 
     def __init__(
         self,
         renderer: Renderer,
         stream_id: str | None,
         refuse: Callable[[str, str], Sequence[Frame]],
-        skip: int = 0,
+        first: _RenderedEvent | None = None,
     ) -> None:
         self._renderer = renderer
         self._stream_id = stream_id
         self._refuse = refuse
-        self._skip = skip
+        self._first = first
 
     def frame(self, batch: Batch) -> bytes:
         out: list[bytes] = []
         render = self._renderer.render
         stream_id = self._stream_id
+        first, self._first = self._first, None
         for offset, event in enumerate(batch.events):
-            frames = render(event)
             seq = batch.first_seq + offset
+            skip = 0
+            if first is not None and offset == 0 and first.seq == seq:
+                frames, skip = first.frames, first.skip
+            else:
+                frames = render(event)
             last = len(frames) - 1
-            skip, self._skip = self._skip, 0
             for i, (name, data) in enumerate(frames):
                 if i < skip:
                     continue
@@ -116,6 +122,15 @@ class DialectFramer:
         return b"".join(
             encode_event(data, event=name) for name, data in self._refuse(code, message)
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _RenderedEvent:
+    """Event ``seq`` rendered, of which the client already has the first ``skip`` frames."""
+
+    seq: int
+    frames: Sequence[Frame]
+    skip: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,10 +162,14 @@ class Dialect:
         A dialect's frames depend on what came before (OpenAI's first chunk carries the
         role, Anthropic numbers its content blocks), so the renderer first replays events
         ``1 .. after_seq`` silently. If those are gone, the reader's own read fails with a
-        resume gap, which :meth:`DialectFramer.refusal` reports.
+        resume gap, which :meth:`DialectFramer.refusal` reports. With ``skip``, the next
+        event is rendered here, and a ``skip`` that leaves none of its frames (the client
+        names a frame id ``<after_seq>.<skip>`` that was never sent) raises
+        :class:`~sluice.errors.BadEventIdError` (a 400) before any response starts.
         """
         renderer = self.renderer()
         seq = 0
+        first: _RenderedEvent | None = None
         with contextlib.suppress(ResumeGapError):
             while seq < after_seq:
                 batch = log.read(stream_id, seq, after_seq - seq)
@@ -159,8 +178,26 @@ class Dialect:
                 for event in batch.events:
                     renderer.render(event)
                 seq = batch.last_seq
+            if skip:
+                first = self._partly_sent(renderer, log, stream_id, after_seq, skip)
         stream_id_for_ids = stream_id if self.resumable else None
-        return DialectFramer(renderer, stream_id_for_ids, self._refuse, skip)
+        return DialectFramer(renderer, stream_id_for_ids, self._refuse, first)
+
+    @staticmethod
+    def _partly_sent(
+        renderer: Renderer, log: EventLog, stream_id: str, after_seq: int, skip: int
+    ) -> _RenderedEvent:
+        """Event ``after_seq + 1`` rendered; refuses a ``skip`` past its last frame id."""
+        batch = log.read(stream_id, after_seq, 1)
+        frames = renderer.render(batch.events[0]) if batch.events else ()
+        # Frame k (from 1) of an event is sent as "<after_seq>.<k>" for k below its count;
+        # its last frame carries the event's own id.
+        if skip >= len(frames):
+            raise BadEventIdError(
+                f"Last-Event-ID names frame {skip} of event {after_seq + 1} of stream "
+                f"{stream_id}, which has {max(len(frames) - 1, 0)} frame ids before its own"
+            )
+        return _RenderedEvent(after_seq + 1, frames, skip)
 
     def _refuse(self, code: str, message: str) -> Sequence[Frame]:
         return self.renderer().render(Error(code, message, retryable=False))[-1:]

@@ -4,18 +4,38 @@ Messages, parsed into a :class:`~sluice.backends.base.GenerationRequest`.
 Fields the official SDKs send that change nothing here (``user``, ``metadata``,
 ``frequency_penalty`` at 0, ...) are accepted and ignored, as other OpenAI-compatible
 servers do; fields that would change the answer in a way Sluice cannot honour (``n`` above
-1, ``echo``, ``best_of``) are refused with a 400 that names them.
+1, ``echo``, ``best_of``, the legacy ``functions``) are refused with a 400 that names them.
+Tool calling (:mod:`sluice.gateway.compat_tools`) is carried to the backend, which honours
+it (an upstream) or refuses it with a 400 naming the field (the engine, ``words``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sluice.backends.base import ChatMessage, GenerationRequest
-from sluice.errors import BadRequestError
+from sluice.gateway.compat_tools import (
+    AnthropicMessage,
+    AnthropicTextBlock,
+    AnthropicToolChoice,
+    AnthropicTools,
+    InvalidParameterError,
+    OpenAIToolCalls,
+    OpenAIToolChoice,
+    OpenAITools,
+    ResponseFormatBody,
+    anthropic_messages,
+    anthropic_tool_choice,
+    anthropic_tools,
+    openai_response_format,
+    openai_tool_calls,
+    openai_tool_choice,
+    openai_tools,
+)
 from sluice.gateway.settings import Settings
 
 __all__ = [
@@ -31,14 +51,6 @@ _Seed = Annotated[int, Field(ge=0, lt=2**63)]
 _MaxTokens = Annotated[int, Field(ge=1)]
 _Stop = Annotated[str, Field(min_length=1, max_length=256)]
 _Body = TypeVar("_Body", bound=BaseModel)
-
-
-class InvalidParameterError(BadRequestError):
-    """A request field with a bad value; ``param`` names it (OpenAI reports it)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class _Lenient(BaseModel):
@@ -59,6 +71,8 @@ class _StreamOptions(_Lenient):
 class _OpenAIMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[_TextPart] | None = None
+    tool_calls: OpenAIToolCalls | None = None
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
 
 class _OpenAICommon(_Lenient):
@@ -77,6 +91,13 @@ class _ChatBody(_OpenAICommon):
     messages: Annotated[list[_OpenAIMessage], Field(min_length=1, max_length=1024)]
     max_tokens: _MaxTokens | None = None
     max_completion_tokens: _MaxTokens | None = None
+    tools: OpenAITools | None = None
+    tool_choice: OpenAIToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormatBody | None = None
+    # The legacy functions API: refused (a 400 naming it) rather than silently dropped.
+    functions: object = None
+    function_call: object = None
 
 
 class _CompletionBody(_OpenAICommon):
@@ -86,21 +107,13 @@ class _CompletionBody(_OpenAICommon):
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
 
 
-class _AnthropicBlock(_Lenient):
-    type: Literal["text"]
-    text: str
-
-
-class _AnthropicMessage(_Lenient):
-    role: Literal["user", "assistant"]
-    content: str | list[_AnthropicBlock]
-
-
 class _MessagesBody(_Lenient):
     model: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # the default
     max_tokens: _MaxTokens
-    messages: Annotated[list[_AnthropicMessage], Field(min_length=1, max_length=1024)]
-    system: str | list[_AnthropicBlock] | None = None
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1, max_length=1024)]
+    system: str | list[AnthropicTextBlock] | None = None
+    tools: AnthropicTools | None = None
+    tool_choice: AnthropicToolChoice | None = None
     stop_sequences: Annotated[list[_Stop], Field(max_length=16)] | None = None
     temperature: Annotated[float, Field(ge=0, le=1)] | None = None
     top_p: _TopP | None = None
@@ -140,7 +153,7 @@ def _validate(model: type[_Body], payload: object) -> _Body:
         raise InvalidParameterError(message, param) from exc
 
 
-def _text(content: str | list[_TextPart] | list[_AnthropicBlock] | None) -> str:
+def _text(content: str | list[_TextPart] | list[AnthropicTextBlock] | None) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -169,30 +182,52 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
+def _chat_message(message: _OpenAIMessage, index: int) -> ChatMessage:
+    role = "system" if message.role == "developer" else message.role
+    if message.tool_calls and role != "assistant":
+        param = f"messages.{index}.tool_calls"
+        raise InvalidParameterError(f"{param}: only an assistant message holds tool calls", param)
+    tool_call_id = message.tool_call_id if role == "tool" else None
+    calls = openai_tool_calls(message.tool_calls)
+    return ChatMessage(role, _text(message.content), calls, tool_call_id)
+
+
+def _chat(body: _ChatBody, settings: Settings) -> GenerationRequest:
+    for legacy in ("functions", "function_call"):
+        if getattr(body, legacy) is not None:
+            raise InvalidParameterError(
+                f"{legacy}: the legacy functions API is not supported; send tools and tool_choice",
+                legacy,
+            )
+    messages = tuple(_chat_message(m, i) for i, m in enumerate(body.messages))
+    _check_chars("".join(m.content for m in messages), settings, "messages")
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    _check_max_tokens(max_tokens, settings, "max_tokens")
+    return GenerationRequest(
+        prompt="",
+        messages=messages,
+        max_tokens=max_tokens,
+        tools=openai_tools(body.tools),
+        tool_choice=openai_tool_choice(body.tool_choice),
+        parallel_tool_calls=body.parallel_tool_calls,
+        response_format=openai_response_format(body.response_format),
+    )
+
+
 def parse_openai(payload: object, settings: Settings, *, chat: bool) -> CompatRequest:
     """A ``POST /v1/chat/completions`` (``chat``) or ``POST /v1/completions`` body."""
     body: _ChatBody | _CompletionBody
     if chat:
         body = _validate(_ChatBody, payload)
-        messages = tuple(
-            ChatMessage("system" if m.role == "developer" else m.role, _text(m.content))
-            for m in body.messages
-        )
-        _check_chars("".join(m.content for m in messages), settings, "messages")
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        _check_max_tokens(max_tokens, settings, "max_tokens")
-        prompt = ""
+        generation = _chat(body, settings)
     else:
         body = _validate(_CompletionBody, payload)
         prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
         _check_chars(prompt, settings, "prompt")
-        max_tokens = body.max_tokens
-        _check_max_tokens(max_tokens, settings, "max_tokens")
-        messages = None
-    generation = GenerationRequest(
-        prompt=prompt,
-        messages=messages,
-        max_tokens=max_tokens,
+        _check_max_tokens(body.max_tokens, settings, "max_tokens")
+        generation = GenerationRequest(prompt=prompt, max_tokens=body.max_tokens)
+    generation = dataclasses.replace(
+        generation,
         temperature=body.temperature,
         top_p=body.top_p,
         seed=body.seed,
@@ -207,11 +242,12 @@ def parse_openai(payload: object, settings: Settings, *, chat: bool) -> CompatRe
 def parse_anthropic_messages(payload: object, settings: Settings) -> CompatRequest:
     """A ``POST /v1/messages`` body."""
     body = _validate(_MessagesBody, payload)
-    messages = [ChatMessage(m.role, _text(m.content)) for m in body.messages]
+    messages = anthropic_messages(body.messages)
     if body.system is not None:
         messages.insert(0, ChatMessage("system", _text(body.system)))
     _check_chars("".join(m.content for m in messages), settings, "messages")
     _check_max_tokens(body.max_tokens, settings, "max_tokens")
+    tool_choice, parallel_tool_calls = anthropic_tool_choice(body.tool_choice)
     generation = GenerationRequest(
         prompt="",
         messages=tuple(messages),
@@ -221,6 +257,9 @@ def parse_anthropic_messages(payload: object, settings: Settings) -> CompatReque
         top_k=body.top_k,
         stop=tuple(body.stop_sequences or ()),
         ignore_eos=body.ignore_eos,
+        tools=anthropic_tools(body.tools),
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel_tool_calls,
     )
     model = body.model or settings.default_model
     return CompatRequest(model, generation, body.stream, include_usage=True)

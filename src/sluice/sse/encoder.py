@@ -1,9 +1,10 @@
 """Frame values as ``text/event-stream`` bytes: the server side of the SSE wire format.
 
-Each function is pure and returns the UTF-8 bytes of one complete frame that ends in a
-blank line, so frames can be written to a socket as they are made and concatenated
-freely (WHATWG HTML §9.2.5 "Parsing an event stream": ``stream = [ bom ] *event``,
-``event = *( comment / field ) end-of-line``).
+Each function is pure and returns UTF-8 bytes that can be written to a socket as they are
+made and concatenated freely (WHATWG HTML §9.2.5 "Parsing an event stream":
+``stream = [ bom ] *event``, ``event = *( comment / field ) end-of-line``): an event or a
+``retry`` field is a complete block that ends in a blank line; a comment is comment lines
+only, which belong to whatever block follows them (choice 6).
 
 Choices made here, each so that what :class:`sluice.sse.Decoder` (or a browser) reads
 back equals what was written:
@@ -23,6 +24,18 @@ back equals what was written:
    event ID (§9.2.6, the ``id`` field sets the buffer to the value, empty or not).
 5. Text that cannot be encoded as UTF-8 (a lone surrogate) is refused with
    :class:`~sluice.errors.SSEEncodeError`; the stream is UTF-8 only (§9.2.5).
+6. A comment (a heartbeat) is written as comment lines with NO blank line after them
+   (``: ping\n``). §9.2.6 ignores a line that starts with a colon and dispatches only on
+   a blank line, so by the spec the comment simply joins the next event's block (the
+   grammar's ``event = *( comment / field ) end-of-line``) and changes nothing; at the end
+   of the stream a block without its blank line is discarded (§9.2.5), and a comment has
+   nothing to lose. A blank line after the comment would be harmless to a browser (an
+   empty data buffer dispatches nothing, §9.2.6 dispatch step 2) but not to parsers that
+   dispatch on every blank line once an ``id`` was seen: the Stainless ``SSEDecoder`` of
+   the ``openai`` and ``anthropic`` Python SDKs (and LangChain and LiteLLM on top of
+   them), ``httpx-sse`` and ``fetch-event-source`` turn ``: ping\n\n`` into an event with
+   empty data, which the SDKs then fail to parse as JSON. A bare comment line is
+   invisible to all of them.
 """
 
 from __future__ import annotations
@@ -113,18 +126,20 @@ class EventEncoder:
 
 
 def encode_comment(text: str = "") -> bytes:
-    """Frame a comment, which clients ignore (§9.2.6: a line starting with a colon).
+    """Comment lines, which clients ignore (§9.2.6: a line starting with a colon), with no
+    blank line after them (choice 6): they may go wherever a line begins, such as between
+    two blocks, where the transports write heartbeats.
 
-    ``encode_comment()`` is ``b":\\n\\n"``, the smallest keep-alive; ``"ping"`` gives
-    ``b": ping\\n\\n"``. Text with CR or LF becomes several comment lines.
+    ``encode_comment()`` is ``b":\\n"``, the smallest keep-alive; ``"ping"`` gives
+    ``b": ping\\n"``. Text with CR or LF becomes several comment lines.
     """
     if not text:
-        return b":\n\n"
+        return b":\n"
     if "\n" in text or "\r" in text:
         lines = _normalise_line_ends(text).split("\n")
-        frame = "".join(f": {line}\n" if line else ":\n" for line in lines) + "\n"
+        frame = "".join(f": {line}\n" if line else ":\n" for line in lines)
     else:
-        frame = f": {text}\n\n"
+        frame = f": {text}\n"
     return _encode(frame, "comment")
 
 

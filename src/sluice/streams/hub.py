@@ -451,8 +451,10 @@ class StreamHub:
             observer = self._observer
             if observer is not None:
                 observer.started(stream, time.monotonic() - stream.created_mono)
-            await self._append(stream, Started(model=stream.model, created=int(stream.created)))
+            prompt_tokens = generation.usage().prompt_tokens  # known once admitted
+            await self._append(stream, Started(stream.model, int(stream.created), prompt_tokens))
             reason = FinishReason.STOP
+            stop_sequence: str | None = None
             num_deltas = 0
             append = self._log.append
             last = stream.created_mono  # so the first token's interval is its TTFT
@@ -480,12 +482,12 @@ class StreamHub:
                     reason = FinishReason.LENGTH
                     break
                 if delta.finish_reason is not None:
-                    reason = delta.finish_reason
+                    reason, stop_sequence = delta.finish_reason, delta.stop_sequence
                 num_deltas += 1
                 if num_deltas % _YIELD_EVERY_DELTAS == 0:
                     await asyncio.sleep(0)
             stream.task = None  # finishing by itself now: a cancel from here on is too late
-            final = [generation.usage(), Finished(reason)]
+            final = [generation.usage(), Finished(reason, stop_sequence)]
             target = StreamState.FINISHED
         except asyncio.CancelledError:
             stream.task = None

@@ -1,7 +1,8 @@
 """Server-Sent Events delivery: one reader's records to one HTTP response.
 
 Two drivers share the same wire output (``retry:`` hint first, frames encoded once at
-append and joined per write, ``: ping`` when idle, end after the terminal event):
+append and joined per write, a ``: ping`` comment line when idle, end after the terminal
+event):
 
 - :class:`SSEConnection` writes straight to an asyncio transport and is driven by
   callbacks: the log resolves a future when records arrive, a timer handles heartbeats,
@@ -70,6 +71,9 @@ SSE_HEADERS: tuple[tuple[bytes, bytes], ...] = (
     (b"x-accel-buffering", b"no"),
 )
 
+# ``: ping\n``, a bare comment line: no blank line follows it, so no SSE parser (the SDKs'
+# included) dispatches an empty event for it (see :mod:`sluice.sse.encoder`, choice 6).
+# Frames are whole blocks, so a ping is always written where a line begins.
 _PING = encode_comment("ping")
 
 # An ASGI ``send`` that returns later than this waited for the socket to drain (a send that
