@@ -180,3 +180,10 @@ def test_counts_and_bytes_always_add_up(ops: list[tuple[str, int, int, int]]) ->
             mine = [(held, kept) for t, held, kept in streams.values() if t == owner]
             assert ledger.bytes_of(owner) == sum(held for held, _ in mine)
             assert ledger.retained_of(owner) == sum(kept for _, kept in mine) <= 2
+
+
+def test_with_one_tenant_a_full_server_is_the_servers_refusal_not_the_tenants() -> None:
+    ledger = budget(budget_bytes=100 * MiB, per_tenant=100 * MiB)
+    ledger.opened("live", "anonymous", LOG_BYTES)
+    ledger.resized("live", 95 * MiB)
+    assert ledger.refusal("anonymous") == "log_memory"  # a 503, not a 429

@@ -104,14 +104,14 @@ class LogBudget:
 
     def refusal(self, tenant: str) -> str | None:
         """Why a new stream of ``tenant`` cannot get room even if every stream it may evict
-        were evicted (``tenant_log_bytes`` or ``log_memory``), or ``None``."""
+        were evicted (``log_memory``, else ``tenant_log_bytes``), or ``None``."""
+        if self.num_bytes - self.retained_bytes + LOG_BYTES > _full(self.budget_bytes):
+            return LOG_MEMORY  # first: with one tenant, its bytes are the server's
         record = self._tenants.get(tenant)
         if record is not None and (
             record.num_bytes - record.retained_bytes + LOG_BYTES > _full(self.max_bytes_per_tenant)
         ):
             return TENANT_LOG_BYTES
-        if self.num_bytes - self.retained_bytes + LOG_BYTES > _full(self.budget_bytes):
-            return LOG_MEMORY
         return None
 
     def victim(self, tenant: str, extra_bytes: int = 0) -> tuple[str, str] | None:
