@@ -9,7 +9,7 @@ import pytest
 
 from sluice.dialects import native
 from sluice.events import Error, Finished, FinishReason, NeutralEvent, Started, TextDelta, Usage
-from sluice.streams.sizing import event_bytes, frame_bytes
+from sluice.streams.sizing import event_bytes, frame_bytes, record_bytes
 
 SID = "str_0123456789abcdefABCDEF"
 NUM_RECORDS = 2000
@@ -46,3 +46,12 @@ def test_other_events_are_counted_with_their_strings() -> None:
     assert event_bytes(Usage(100_000, 200_000)) > event_bytes(Usage(1, 2))  # big ints
     for event in (Started("words", 1_700_000_000), Finished(FinishReason.STOP)):
         assert event_bytes(event) >= 48
+
+
+@pytest.mark.parametrize("text", ["", "a", "x" * 470, "x" * 600, "é", "日本語" * 200, "🙂"])
+def test_a_tokens_record_is_counted_the_same_on_the_fast_path(text: str) -> None:
+    event = TextDelta(text)
+    frame = native.frame(event, f"{SID}:1")
+    assert record_bytes(event, frame) == event_bytes(event) + frame_bytes(frame)
+    usage = Usage(3, 4)
+    assert record_bytes(usage, frame) == event_bytes(usage) + frame_bytes(frame)

@@ -15,15 +15,17 @@ Bytes are what the log reports (:meth:`EventLog.num_bytes`, the estimate of
 oldest goes first: for a stream or a creation that needs room, the retained streams of its
 own tenant, oldest first; then, if the server-wide budget still needs room, every tenant's
 retained streams, oldest first. A tenant over ``max_retained_per_tenant`` loses its oldest
-retained stream. An evicted stream is gone as if its retention had ended.
+retained stream; a creation on a server that holds ``max_streams`` streams evicts one
+(:meth:`LogBudget.oldest`: its tenant's oldest, else the oldest of all). An evicted stream
+is gone as if its retention had ended.
 
 **Live streams** are never evicted. A creation is refused (:meth:`LogBudget.refusal`)
 when, even with every stream it may evict gone, live streams would fill a bound: hold
-more than nine tenths of it (the last tenth is theirs to grow into). A live stream that appends
-while a bound is still exceeded is trimmed (:meth:`LogBudget.trim_target`): it gives up
-its oldest records, at least what it is over by and, if it holds more than its share (the
-bound over the live streams under it), down to that share, so a stream cannot grow while
-the server is full, and a large one makes room for the others.
+more than nine tenths of it (the last tenth is theirs to grow into). A live stream that
+appends while a bound is still exceeded is trimmed (:meth:`LogBudget.trim_target`): it
+gives up its oldest records, at least what it is over by and, if it holds more than its
+share (the bound over the live streams under it), down to that share, so a stream cannot
+grow while the server is full, and a large one makes room for the others.
 
 Pure Python, no I/O: each call is O(1) (ordered dicts of retained streams, counters per
 tenant), so nothing scans the streams on an append.

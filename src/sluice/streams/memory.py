@@ -17,7 +17,7 @@ from sluice.errors import ResumeGapError, StreamNotFoundError
 from sluice.events import NeutralEvent
 from sluice.streams.ids import event_id
 from sluice.streams.log import Batch, LogLimits, Waiter
-from sluice.streams.sizing import LOG_BYTES, event_bytes, frame_bytes
+from sluice.streams.sizing import LOG_BYTES, record_bytes
 
 __all__ = ["MemoryEventLog"]
 
@@ -64,10 +64,11 @@ class MemoryEventLog:
         seq = log.first_seq + len(frames)
         num_bytes = log.num_bytes
         frame_of = native.frame
+        size_of = record_bytes
         for event in events:
             frame = frame_of(event, event_id(stream_id, seq))
             frames.append(frame)
-            num_bytes += event_bytes(event) + frame_bytes(frame)
+            num_bytes += size_of(event, frame)
             seq += 1
         self._total_bytes += num_bytes - log.num_bytes
         log.num_bytes = num_bytes
@@ -92,9 +93,9 @@ class MemoryEventLog:
         drop = max(0, len(frames) - keep_records)
         num_bytes = log.num_bytes
         for i in range(drop):
-            num_bytes -= event_bytes(events[i]) + frame_bytes(frames[i])
+            num_bytes -= record_bytes(events[i], frames[i])
         while drop < len(frames) - 1 and num_bytes > keep_bytes:
-            num_bytes -= event_bytes(events[drop]) + frame_bytes(frames[drop])
+            num_bytes -= record_bytes(events[drop], frames[drop])
             drop += 1
         if not drop:
             return
