@@ -14,7 +14,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -42,7 +42,12 @@ from sluice.gateway.auth import (
     parse_key_list,
 )
 from sluice.gateway.protocol import SluiceHttpProtocol
-from sluice.gateway.settings import Settings
+from sluice.gateway.settings import (
+    DEFAULT_MAX_RETAINED_STREAMS_PER_TENANT,
+    DEFAULT_MAX_STREAMS_PER_TENANT,
+    DEFAULT_TENANT_LOG_SHARE,
+    Settings,
+)
 from sluice.observability.logs import LOG_FORMATS, configure_logging
 
 __all__ = ["BUNDLED_MODEL", "build_parser", "main"]
@@ -175,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-streams",
         type=int,
         default=defaults.max_streams,
-        help="streams held at once (live or retained); more are refused with 503",
+        help="live streams held at once; more are refused with 503 (finished streams kept "
+        "for --retention count too, but a new stream evicts the oldest of them)",
     )
     serve.add_argument(
         "--max-connections",
@@ -188,9 +194,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-streams-per-tenant",
-        type=int,
-        default=defaults.max_streams_per_tenant,
-        help="live streams one tenant may hold; more are refused with 429",
+        type=_auto(_count),
+        default="auto",
+        metavar="N",
+        help="live streams one tenant may hold; more are refused with 429 ('auto': "
+        f"{DEFAULT_MAX_STREAMS_PER_TENANT} with API keys, else --max-streams: without keys "
+        "the one tenant, 'anonymous', gets the server's limits)",
+    )
+    serve.add_argument(
+        "--log-memory-budget",
+        type=_byte_size,
+        default="1GiB",
+        metavar="SIZE",
+        help="memory of all event logs, live and retained (e.g. 512MiB, 2GiB; a bare number "
+        "is MiB): finished streams are evicted oldest first to stay within it, a new "
+        "stream that cannot fit is refused (503) and a growing one drops its oldest events",
+    )
+    serve.add_argument(
+        "--max-log-bytes-per-tenant",
+        type=_auto(_byte_size),
+        default="auto",
+        metavar="SIZE",
+        help="memory of one tenant's event logs, live and retained; its oldest finished "
+        "streams are evicted first, then a new stream is refused (429) ('auto': "
+        f"1/{DEFAULT_TENANT_LOG_SHARE} of --log-memory-budget with API keys, all of it "
+        "without)",
+    )
+    serve.add_argument(
+        "--max-retained-streams-per-tenant",
+        type=_auto(_count),
+        default="auto",
+        metavar="N",
+        help="finished streams one tenant keeps readable; past it, its oldest is evicted "
+        f"('auto': {DEFAULT_MAX_RETAINED_STREAMS_PER_TENANT} with API keys, --max-streams "
+        "without)",
     )
     serve.add_argument(
         "--max-tokens-per-stream",
@@ -343,6 +380,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_BYTE_UNITS = {"": 2**20, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def _byte_size(text: str) -> int:
+    """A size such as ``64MiB`` or ``1.5GiB`` (a bare number is MiB), in bytes."""
+    number = text.strip().rstrip("BbIiKkMmGg")
+    unit = text.strip()[len(number) :].lower()
+    try:
+        size = float(number) * _BYTE_UNITS[unit]
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size (a number of B, KiB, MiB or GiB)"
+        ) from None
+    if not 0 < size < 2**63:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive and finite")
+    return int(size)
+
+
+def _count(text: str) -> int:
+    """A whole number of at least 1."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return count
+
+
+def _auto(parse: Callable[[str], int]) -> Callable[[str], int | None]:
+    """``parse``, where ``auto`` means the default that depends on the keys (``None``)."""
+
+    def parse_or_auto(text: str) -> int | None:
+        return None if text == "auto" else parse(text)
+
+    parse_or_auto.__name__ = parse.__name__  # argparse names the type in its errors
+    return parse_or_auto
+
+
 def _settings(args: argparse.Namespace) -> Settings:
     return Settings(
         heartbeat_interval_s=args.heartbeat_interval,
@@ -354,6 +430,9 @@ def _settings(args: argparse.Namespace) -> Settings:
         max_log_records=args.max_log_events,
         cors_allow_origins=tuple(args.cors_origin or ("*",)),
         max_streams_per_tenant=args.max_streams_per_tenant,
+        log_budget_bytes=args.log_memory_budget,
+        max_log_bytes_per_tenant=args.max_log_bytes_per_tenant,
+        max_retained_streams_per_tenant=args.max_retained_streams_per_tenant,
         max_tokens_per_stream=args.max_tokens_per_stream,
         max_stream_s=args.max_stream_duration,
         send_timeout_s=args.send_timeout,

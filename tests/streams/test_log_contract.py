@@ -110,3 +110,86 @@ async def test_delete_wakes_watchers_and_forgets_the_stream(make_log: LogFactory
     assert waiter.done()
     with pytest.raises(StreamNotFoundError):
         log.last_seq(SID)
+
+
+async def test_num_bytes_counts_the_events_and_frames_held(make_log: LogFactory) -> None:
+    log = make_log(LogLimits())
+    await log.create(SID)
+    empty = log.num_bytes(SID)
+    assert empty > 0  # a log costs something before its first record
+    await log.append(SID, [TextDelta("a")])
+    one = log.num_bytes(SID)
+    frame = log.read(SID, 0, 1).frames[0]
+    # The record holds its frame, its event and its text, not just the frame's length.
+    assert one - empty > 2 * len(frame)
+    await log.append(SID, [TextDelta("b") for _ in range(99)])
+    assert log.num_bytes(SID) - empty == pytest.approx(100 * (one - empty), rel=0.05)
+
+
+async def test_the_byte_bound_counts_what_a_record_holds_not_its_frame(
+    make_log: LogFactory,
+) -> None:
+    """100 one-letter tokens have 100 * ~70 bytes of frames but hold about 240 bytes each:
+    a 10 kB bound keeps far fewer than 100."""
+    log = make_log(LogLimits(max_records=1000, max_bytes=10_000))
+    await log.create(SID)
+    for _ in range(100):
+        await log.append(SID, [TextDelta("a")])
+    with pytest.raises(ResumeGapError) as gap:
+        log.read(SID, 0, 1000)
+    assert gap.value.first_retained_seq > 100 - 10_000 // 200
+    assert log.num_bytes(SID) <= 10_000 + 512
+
+
+async def test_trim_drops_the_oldest_records_down_to_a_size_and_keeps_the_newest(
+    make_log: LogFactory,
+) -> None:
+    log = make_log(LogLimits())
+    await log.create(SID)
+    await log.append(SID, [TextDelta(f"t{i}") for i in range(100)])
+    full = log.num_bytes(SID)
+    log.trim(SID, full // 2)
+    assert log.num_bytes(SID) <= full // 2
+    with pytest.raises(ResumeGapError) as gap:
+        log.read(SID, 0, 1000)
+    first = gap.value.first_retained_seq
+    kept = log.read(SID, first - 1, 1000)
+    assert list(kept.events) == [TextDelta(f"t{i}") for i in range(first - 1, 100)]
+    assert 40 <= len(kept) <= 60
+    log.trim(SID, 0)
+    assert list(log.read(SID, 99, 10).events) == [TextDelta("t99")]
+    assert log.last_seq(SID) == 100
+    await log.append(SID, [TextDelta("after")])
+    assert list(log.read(SID, 100, 10).events) == [TextDelta("after")]
+
+
+async def test_bytes_after_trims_are_those_of_the_records_left(make_log: LogFactory) -> None:
+    """Trimming subtracts exactly what it drops: a log trimmed all along holds what an
+    untrimmed copy holds once cut down to the same records."""
+    trimmed = make_log(LogLimits(max_records=30, max_bytes=1 << 20))
+    untrimmed = make_log(LogLimits())
+    for log in (trimmed, untrimmed):
+        await log.create(SID)
+        for i in range(95):
+            await log.append(SID, [TextDelta("x" * (i % 7)), TextDelta(str(i))])
+    trimmed.trim(SID, trimmed.num_bytes(SID) - 1)
+    untrimmed.trim(SID, trimmed.num_bytes(SID))
+    firsts = []
+    for log in (trimmed, untrimmed):
+        with pytest.raises(ResumeGapError) as gap:
+            log.read(SID, 0, 1)
+        firsts.append(gap.value.first_retained_seq)
+    assert firsts[0] == firsts[1]
+    assert trimmed.num_bytes(SID) == untrimmed.num_bytes(SID)
+
+
+async def test_num_bytes_and_trim_of_an_unknown_stream_raise_not_found(
+    make_log: LogFactory,
+) -> None:
+    log = make_log(LogLimits())
+    await log.create(SID)
+    await log.delete(SID)
+    with pytest.raises(StreamNotFoundError):
+        log.num_bytes(SID)
+    with pytest.raises(StreamNotFoundError):
+        log.trim(SID, 0)

@@ -33,7 +33,7 @@ from sluice.gateway.routes import NativeApi
 from sluice.gateway.settings import Settings
 from sluice.gateway.streaming import EventStreams
 from sluice.observability.metrics import Metrics
-from sluice.streams.hub import HubSettings, StreamHub
+from sluice.streams.hub import StreamHub
 from sluice.streams.log import LogLimits
 from sluice.streams.memory import MemoryEventLog
 from sluice.transports.asgi import Receive, Scope, Send
@@ -62,20 +62,15 @@ class SluiceApp:
         self.auth = auth or Auth.anonymous()
         self._resources = tuple(resources)
         log = MemoryEventLog(LogLimits(settings.max_log_records, settings.max_log_bytes))
-        hub_settings = HubSettings(
-            default_grace_s=settings.default_grace_s,
-            retention_s=settings.retention_s,
-            max_streams=settings.max_streams,
-            max_streams_per_tenant=settings.max_streams_per_tenant,
-            max_tokens_per_stream=settings.max_tokens_per_stream,
-            max_stream_s=settings.max_stream_s,
-        )
+        # Per-tenant limits default to the server's when there is one tenant (no keys).
+        hub_settings = settings.hub_settings(multi_tenant=self.auth.num_keys > 0)
         versions = {name: str(getattr(b, "version", "")) for name, b in backends.items()}
         self.metrics = Metrics(versions)
         for name, backend in backends.items():
             if isinstance(backend, _AbortObserved):
                 backend.set_abort_observer(functools.partial(self.metrics.abort_freed, name))
         self.hub = StreamHub(log, backends, hub_settings, observer=self.metrics)
+        self.metrics.log_bytes.set_function(lambda: self.hub.memory.num_bytes)
         self.streams = EventStreams(self.hub, settings, self.metrics, self.auth)
         page = package_data.files("sluice.web").joinpath("index.html").read_text("utf-8")
         api = NativeApi(self.hub, settings, page, self.metrics, self.auth)

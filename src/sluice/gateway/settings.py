@@ -5,8 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sluice.errors import ConfigError
+from sluice.streams.hub import HubSettings
 
-__all__ = ["Settings"]
+__all__ = [
+    "DEFAULT_MAX_RETAINED_STREAMS_PER_TENANT",
+    "DEFAULT_MAX_STREAMS_PER_TENANT",
+    "DEFAULT_TENANT_LOG_SHARE",
+    "Settings",
+]
+
+# Per-tenant defaults when API keys are configured (several tenants share the server). A
+# server without keys has one tenant, ``anonymous``, whose limits default to the server's.
+# Live streams one tenant may hold (each may pin a model slot).
+DEFAULT_MAX_STREAMS_PER_TENANT = 1_000
+# Finished streams one tenant keeps readable (a tiny one holds a few KiB).
+DEFAULT_MAX_RETAINED_STREAMS_PER_TENANT = 10_000
+# One tenant's event logs may hold 1/this of the log memory budget: room for three more.
+DEFAULT_TENANT_LOG_SHARE = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,12 +37,21 @@ class Settings:
     # Stream lifecycle
     default_grace_s: float = 15.0
     retention_s: float = 300.0
+    # Live streams; retained (finished) ones are evicted to make room, never block one.
     max_streams: int = 100_000
-    max_streams_per_tenant: int = 1_000
+    # None: DEFAULT_MAX_STREAMS_PER_TENANT with API keys, max_streams without.
+    max_streams_per_tenant: int | None = None
     max_tokens_per_stream: int = 100_000
     max_stream_s: float = 3600.0
+    # One stream's log (see sluice.streams.log.LogLimits).
     max_log_records: int = 100_000
-    max_log_bytes: int = 16 * 1024 * 1024
+    max_log_bytes: int = 32 * 1024 * 1024
+    # Every stream's log, live and retained (see sluice.streams.hub.HubSettings).
+    log_budget_bytes: int = 1024 * 1024 * 1024
+    # None: 1/DEFAULT_TENANT_LOG_SHARE of log_budget_bytes with API keys, all of it without.
+    max_log_bytes_per_tenant: int | None = None
+    # None: DEFAULT_MAX_RETAINED_STREAMS_PER_TENANT with API keys, max_streams without.
+    max_retained_streams_per_tenant: int | None = None
     # Input bounds
     max_body_bytes: int = 1024 * 1024
     max_prompt_chars: int = 200_000
@@ -46,12 +70,15 @@ class Settings:
             "heartbeat_interval_s": self.heartbeat_interval_s,
             "max_batch_records": self.max_batch_records,
             "max_streams": self.max_streams,
-            "max_streams_per_tenant": self.max_streams_per_tenant,
+            "max_streams_per_tenant": _or(self.max_streams_per_tenant, 1),
             "max_tokens_per_stream": self.max_tokens_per_stream,
             "max_stream_s": self.max_stream_s,
             "send_timeout_s": self.send_timeout_s,
             "max_log_records": self.max_log_records,
             "max_log_bytes": self.max_log_bytes,
+            "log_budget_bytes": self.log_budget_bytes,
+            "max_log_bytes_per_tenant": _or(self.max_log_bytes_per_tenant, 1),
+            "max_retained_streams_per_tenant": _or(self.max_retained_streams_per_tenant, 1),
             "max_body_bytes": self.max_body_bytes,
             "max_prompt_chars": self.max_prompt_chars,
             "max_tokens_limit": self.max_tokens_limit,
@@ -70,3 +97,30 @@ class Settings:
         for name, value in non_negative.items():
             if value < 0:
                 raise ConfigError(f"{name} must not be negative, got {value!r}")
+
+    def hub_settings(self, *, multi_tenant: bool) -> HubSettings:
+        """The hub's limits; ``multi_tenant`` (API keys are configured) picks the per-tenant
+        defaults, else the one tenant gets the server's."""
+        if multi_tenant:
+            live = DEFAULT_MAX_STREAMS_PER_TENANT
+            retained = DEFAULT_MAX_RETAINED_STREAMS_PER_TENANT
+            log_bytes = self.log_budget_bytes // DEFAULT_TENANT_LOG_SHARE
+        else:
+            live = retained = self.max_streams
+            log_bytes = self.log_budget_bytes
+        return HubSettings(
+            default_grace_s=self.default_grace_s,
+            retention_s=self.retention_s,
+            max_streams=self.max_streams,
+            max_streams_per_tenant=_or(self.max_streams_per_tenant, live),
+            max_tokens_per_stream=self.max_tokens_per_stream,
+            max_stream_s=self.max_stream_s,
+            log_budget_bytes=self.log_budget_bytes,
+            max_log_bytes_per_tenant=_or(self.max_log_bytes_per_tenant, log_bytes),
+            max_retained_per_tenant=_or(self.max_retained_streams_per_tenant, retained),
+        )
+
+
+def _or(value: int | None, default: int) -> int:
+    """``value``, or ``default`` where it was left unset."""
+    return default if value is None else value

@@ -50,6 +50,11 @@ metric                                      what
                                             drain for ``send_timeout_s``)
 ``sluice_sse_coalesced_events_total``       token events merged into others for lagging
                                             readers (the merged events are not counted)
+``sluice_event_log_bytes``                  memory the event logs hold, live and retained
+                                            (gauge; ``--log-memory-budget`` bounds it)
+``sluice_streams_evicted_total``            retained streams dropped early to make room, by
+                                            ``reason``: log_memory, tenant_log_bytes,
+                                            tenant_retained_streams, max_streams
 ``sluice_cancel_to_kv_free_seconds``        an engine request's abort -> the engine thread
                                             applied it and its KV blocks are free
                                             (histogram, per ``model``)
@@ -155,6 +160,10 @@ class Metrics:
             "Token events merged for lagging readers",
             registry=registry,
         )
+        self.log_bytes = Gauge("sluice_event_log_bytes", "Event log memory", registry=registry)
+        self.evictions = Counter(
+            "sluice_streams_evicted", "Streams evicted", ("reason",), registry=registry
+        )
         self._state = StateCollector(self._versions)
         registry.register(self._state)
         self.vllm = VllmFamilies(registry, self._versions)
@@ -228,6 +237,9 @@ class Metrics:
 
     def refused(self, stream: Stream, reason: str) -> None:
         self.backend_refusals.labels(*self._labels(stream), reason).inc()
+
+    def evicted(self, stream: Stream, reason: str) -> None:
+        self.evictions.labels(reason).inc()
 
     # -- the SSE transports' DeliveryObserver ---------------------------------------------
 

@@ -7,13 +7,23 @@ follow it live. Generation is decoupled from connections:
 - a reader leaving a **non-resumable** stream that has no other reader cancels it at once;
 - a **resumable** stream waits ``grace_s`` for a reader to come back, then is cancelled;
 - a stream nobody ever reads is cancelled when its first grace window ends;
-- a finished stream stays readable for ``retention_s``, then its log is deleted.
+- a finished stream stays readable for ``retention_s``, then its log is deleted, unless
+  it is evicted earlier to make room (see below).
 
 Limits (:class:`HubSettings`), all decided before a stream's first event or enforced by its
 producer:
 
-- ``max_streams`` live and retained streams on this server (``CapacityError``: 503);
+- ``max_streams`` live streams on this server (``CapacityError``: 503). Retained streams
+  count too, but a creation that finds the server full evicts one (its tenant's oldest,
+  else the oldest of all), so finished streams never block a new one;
 - ``max_streams_per_tenant`` live streams per tenant (``TenantLimitError``: 429);
+- ``log_budget_bytes`` for all event logs, live and retained, ``max_log_bytes_per_tenant``
+  for one tenant's, ``max_retained_per_tenant`` finished streams per tenant: the
+  :class:`~sluice.streams.budget.LogBudget` evicts retained streams oldest first (its
+  docstring has the order), refuses a creation that cannot fit (``CapacityError``
+  ``log_memory``: 503; over the tenant's bytes, ``TenantLimitError``: 429), and has a live
+  stream that appends past a bound trim its oldest records (a reader behind them gets
+  ``resume_gap``). An evicted stream is gone as if its retention had ended;
 - ``max_tokens_per_stream``: a request asking for more is clamped to it, and a backend
   whose own default is larger is stopped there; the stream ends with ``Finished(length)``;
 - ``max_stream_s`` from creation to the terminal event: the generation is aborted and the
@@ -44,14 +54,17 @@ from sluice.errors import (
     BackendError,
     BadRequestError,
     CapacityError,
+    ResumeGapError,
     StreamNotFoundError,
     TenantLimitError,
     UnknownModelError,
 )
 from sluice.events import Error, Finished, FinishReason, NeutralEvent, Started, Usage
+from sluice.streams.budget import LOG_MEMORY, TENANT_LOG_BYTES, LogBudget
 from sluice.streams.ids import new_stream_id
 from sluice.streams.log import EventLog
 from sluice.streams.reader import DeliveryObserver, Reader
+from sluice.streams.sizing import LOG_BYTES
 from sluice.streams.state import TERMINAL_STATES, StreamState, next_state
 
 __all__ = ["HubSettings", "Stream", "StreamHub", "StreamObserver"]
@@ -73,6 +86,14 @@ class HubSettings:
     max_streams: int = 100_000
     # Live streams one tenant may hold at once (each may pin a model slot).
     max_streams_per_tenant: int = 1_000
+    # Memory of all event logs, live and retained (as sluice.streams.sizing counts it): a
+    # 24 GB host keeps 1 GiB for the logs beside the process, a model and its KV cache.
+    log_budget_bytes: int = 1024 * 1024 * 1024
+    # One tenant's logs, live and retained: a quarter of the budget, so one tenant leaves
+    # room for at least three others.
+    max_log_bytes_per_tenant: int = 256 * 1024 * 1024
+    # Finished streams one tenant keeps readable; past it, its oldest is evicted.
+    max_retained_per_tenant: int = 10_000
     # Token events one stream may produce: the log's default record bound, so a whole
     # stream stays resumable from its first event.
     max_tokens_per_stream: int = 100_000
@@ -91,6 +112,10 @@ class HubSettings:
             raise ValueError("max_streams must be at least 1")
         if self.max_streams_per_tenant < 1:
             raise ValueError("max_streams_per_tenant must be at least 1")
+        if self.log_budget_bytes < 1 or self.max_log_bytes_per_tenant < 1:
+            raise ValueError("log_budget_bytes and max_log_bytes_per_tenant must be positive")
+        if self.max_retained_per_tenant < 1:
+            raise ValueError("max_retained_per_tenant must be at least 1")
         if self.max_tokens_per_stream < 1:
             raise ValueError("max_tokens_per_stream must be at least 1")
         if not self.max_stream_s > 0:
@@ -119,6 +144,11 @@ class StreamObserver(DeliveryObserver, Protocol):
 
     def refused(self, stream: Stream, reason: str) -> None:
         """The backend refused the work in ``start()`` (``CapacityError.reason``)."""
+
+    def evicted(self, stream: Stream, reason: str) -> None:
+        """A retained stream was dropped before its retention ended, to make room:
+        ``log_memory``, ``tenant_log_bytes``, ``tenant_retained_streams`` or
+        ``max_streams``."""
 
 
 @dataclass(slots=True, eq=False)
@@ -149,6 +179,8 @@ class Stream:
     # Why the backend refused the work in start(), with its ``retry_after_s``.
     refusal: CapacityError | None = None
     usage: Usage | None = None  # the ``Usage`` it ended with, for the observer's finished()
+    # Its ``Started`` event once admitted (its creator may look after the log dropped it).
+    started: Started | None = None
     # time.monotonic() at creation, for the observer's latencies.
     created_mono: float = field(default_factory=time.monotonic, repr=False)
     # The grace window while live; the retention window once terminal.
@@ -197,12 +229,22 @@ class StreamHub:
         self._backends = dict(backends)
         self.settings = settings or HubSettings()
         self._streams: dict[str, Stream] = {}
-        self._num_live_by_tenant: dict[str, int] = {}
+        settings = self.settings
+        self._budget = LogBudget(
+            budget_bytes=settings.log_budget_bytes,
+            max_bytes_per_tenant=settings.max_log_bytes_per_tenant,
+            max_retained_per_tenant=settings.max_retained_per_tenant,
+        )
         self._task_group: asyncio.TaskGroup | None = None
 
     @property
     def log(self) -> EventLog:
         return self._log
+
+    @property
+    def memory(self) -> LogBudget:
+        """What the event logs hold, per tenant and in all, and the evictions so far."""
+        return self._budget
 
     @property
     def backends(self) -> Mapping[str, Backend]:
@@ -249,7 +291,7 @@ class StreamHub:
 
     def num_live(self, tenant: str) -> int:
         """Live streams ``tenant`` holds now."""
-        return self._num_live_by_tenant.get(tenant, 0)
+        return self._budget.num_live_of(tenant)
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[StreamHub]:
@@ -268,7 +310,7 @@ class StreamHub:
             if stream.deadline is not None:
                 stream.deadline.cancel()
         self._streams.clear()
-        self._num_live_by_tenant.clear()
+        self._budget.clear()
         await self._log.aclose()
 
     # ------------------------------------------------------------------ lifecycle
@@ -297,17 +339,33 @@ class StreamHub:
         if not 0 <= grace_s <= self.settings.max_grace_s:
             raise BadRequestError(f"grace_s must be between 0 and {self.settings.max_grace_s}")
         settings = self.settings
-        if len(self._streams) >= settings.max_streams:
+        budget = self._budget
+        if budget.num_live >= settings.max_streams:
             raise CapacityError(
                 "too many streams on this server", retry_after_s=settings.retry_after_s
             )
-        num_live = self._num_live_by_tenant.get(tenant, 0)
+        num_live = budget.num_live_of(tenant)
         if num_live >= settings.max_streams_per_tenant:
             raise TenantLimitError(
                 f"tenant {tenant!r} holds {num_live} live streams, its maximum",
                 tenant=tenant,
                 retry_after_s=settings.retry_after_s,
             )
+        refusal = budget.refusal(tenant)
+        if refusal == TENANT_LOG_BYTES:
+            raise TenantLimitError(
+                f"the live streams of tenant {tenant!r} hold "
+                f"{budget.bytes_of(tenant) / 2**20:.0f} MiB of event logs, its maximum",
+                tenant=tenant,
+                retry_after_s=settings.retry_after_s,
+            )
+        if refusal == LOG_MEMORY:
+            raise CapacityError(
+                "the event logs of the live streams fill this server's memory budget",
+                retry_after_s=settings.retry_after_s,
+                reason=LOG_MEMORY,
+            )
+        await self._make_room_for_new(tenant)
         if request.max_tokens is not None and request.max_tokens > settings.max_tokens_per_stream:
             request = dataclasses.replace(request, max_tokens=settings.max_tokens_per_stream)
         stream = Stream(
@@ -320,7 +378,7 @@ class StreamHub:
         )
         await self._log.create(stream.id)
         self._streams[stream.id] = stream
-        self._num_live_by_tenant[tenant] = num_live + 1
+        budget.opened(stream.id, tenant, self._log.num_bytes(stream.id))
         stream.generation = backend.generate(request)
         # Nobody is reading yet: the first reader has one grace window to arrive.
         self._arm_grace(stream)
@@ -333,8 +391,15 @@ class StreamHub:
         """The stream's first event, once it exists: ``Started``, or the ``Error`` of a
         backend that refused the work (see ``Generation.start``)."""
         loop = asyncio.get_running_loop()
+        stream = self._streams.get(stream_id)
         while True:
-            batch = self._log.read(stream_id, 0, 1)
+            try:
+                batch = self._log.read(stream_id, 0, 1)
+            except (ResumeGapError, StreamNotFoundError):
+                # Trimmed or evicted before its creator looked: it started, if admitted.
+                if stream is None or stream.started is None:
+                    raise
+                return stream.started
             if batch.events:
                 return batch.events[0]
             arrived: asyncio.Future[None] = loop.create_future()
@@ -438,6 +503,47 @@ class StreamHub:
     async def _append(self, stream: Stream, event: NeutralEvent) -> None:
         await self._log.append(stream.id, (event,))
         stream.num_events += 1
+        if self._budget.resized(stream.id, self._log.num_bytes(stream.id)):
+            await self._make_room(stream)
+
+    # ------------------------------------------------------------------ memory
+
+    async def _make_room_for_new(self, tenant: str) -> None:
+        """Evict what a new stream of ``tenant`` needs gone (its caller checked that
+        evicting is enough): retained streams over the budgets, then one if the server
+        holds ``max_streams``."""
+        budget = self._budget
+        while (victim := budget.victim(tenant, LOG_BYTES)) is not None:
+            await self._evict(*victim)
+        while len(self._streams) >= self.settings.max_streams:
+            oldest = budget.oldest(tenant)
+            if oldest is None:  # pragma: no cover - live streams are under max_streams
+                break
+            await self._evict(oldest, "max_streams")
+
+    async def _make_room(self, stream: Stream) -> None:
+        """``stream`` grew past a bound: evict retained streams, oldest first, and if that is
+        not enough, trim the stream's own oldest records."""
+        budget = self._budget
+        while (victim := budget.victim(stream.tenant)) is not None:
+            await self._evict(*victim)
+        target = budget.trim_target(stream.id)
+        if target is not None:
+            self._log.trim(stream.id, target)
+            budget.resized(stream.id, self._log.num_bytes(stream.id))
+            budget.num_trims += 1
+
+    async def _evict(self, stream_id: str, reason: str) -> None:
+        """Drop a retained stream before its retention ends, as if it had ended."""
+        stream = self._streams.pop(stream_id)
+        if stream.timer is not None:
+            stream.timer.cancel()
+            stream.timer = None
+        self._budget.forget(stream_id, evicted_for=reason)
+        logger.debug("stream %s: evicted (%s)", stream_id, reason, extra=_log_fields(stream))
+        if self._observer is not None:
+            self._observer.evicted(stream, reason)
+        await self._log.delete(stream_id)
 
     async def _produce(self, stream: Stream, generation: Generation) -> None:
         """Run one generation into the log; always ends with exactly one terminal event."""
@@ -452,11 +558,14 @@ class StreamHub:
             if observer is not None:
                 observer.started(stream, time.monotonic() - stream.created_mono)
             prompt_tokens = generation.usage().prompt_tokens  # known once admitted
-            await self._append(stream, Started(stream.model, int(stream.created), prompt_tokens))
+            stream.started = Started(stream.model, int(stream.created), prompt_tokens)
+            await self._append(stream, stream.started)
             reason = FinishReason.STOP
             stop_sequence: str | None = None
             num_deltas = 0
             append = self._log.append
+            log_bytes = self._log.num_bytes
+            resized = self._budget.resized
             last = stream.created_mono  # so the first token's interval is its TTFT
             max_tokens = self.settings.max_tokens_per_stream
             async for delta in generation:
@@ -474,6 +583,8 @@ class StreamHub:
                     await append(stream.id, events)
                     stream.num_events += len(events)
                     stream.num_tokens += len(events)
+                    if resized(stream.id, log_bytes(stream.id)):
+                        await self._make_room(stream)
                 if capped:
                     stream.task = None
                     await generation.abort()
@@ -560,17 +671,15 @@ class StreamHub:
         if stream.deadline is not None:
             stream.deadline.cancel()
             stream.deadline = None
-        num_live = self._num_live_by_tenant.get(stream.tenant, 0) - 1
-        if num_live > 0:
-            self._num_live_by_tenant[stream.tenant] = num_live
-        else:
-            self._num_live_by_tenant.pop(stream.tenant, None)
         stream.generation = None
         loop = asyncio.get_running_loop()
         stream.timer = loop.call_later(self.settings.retention_s, self._forget, stream.id)
+        for victim in self._budget.retain(stream.id):  # its tenant's oldest, over its count
+            await self._evict(*victim)
 
     def _forget(self, stream_id: str) -> None:
         """Retention is over: forget the stream, then delete its log."""
         stream = self._streams.pop(stream_id, None)
+        self._budget.forget(stream_id)
         if stream is not None and self._task_group is not None:
             self._task_group.create_task(self._log.delete(stream_id))

@@ -19,7 +19,13 @@ Contract:
   a record with ``seq > after_seq`` exists, at once if one already does, or when the log is
   deleted. ``unwatch`` forgets it. Waiters are futures, not tasks: a held idle reader costs
   one future.
-- A log is bounded in records and bytes: the oldest records are dropped first.
+- A log is bounded in records and bytes: the oldest records are dropped first, never the
+  newest. Bytes are what the records hold in memory (:mod:`sluice.streams.sizing`: the
+  events and, where kept, their frames), not their length on the wire.
+- ``num_bytes`` is what one stream's log holds now, its own overhead included;
+  ``trim(max_bytes)`` drops the stream's oldest records until it holds at most
+  ``max_bytes`` (or only its newest record). The hub's server-wide budget and tenant caps
+  are enforced with these two (see :mod:`sluice.streams.budget`).
 - Retention is the hub's business: it deletes a finished stream's log when the stream's
   retention window ends.
 """
@@ -73,8 +79,10 @@ class LogLimits:
     # A long generation is a few thousand tokens; 100k events leave room for coalescing-free
     # tool-call fragments without letting one stream take unbounded memory.
     max_records: int = 100_000
-    # About 100 bytes a frame: 16 MiB holds a 100k-event stream with long tokens.
-    max_bytes: int = 16 * 1024 * 1024
+    # A one-word token's record (event and frame) holds about 240 bytes, one of 40
+    # characters about 300 (see sluice.streams.sizing): 32 MiB holds a whole 100k-event
+    # stream of such tokens.
+    max_bytes: int = 32 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.max_records < 1 or self.max_bytes < 1:
@@ -93,6 +101,15 @@ class EventLog(Protocol):
     def read(self, stream_id: str, after_seq: int, max_records: int) -> Batch: ...
 
     def last_seq(self, stream_id: str) -> int: ...
+
+    def num_bytes(self, stream_id: str) -> int:
+        """The memory the stream's log holds now (an estimate; see the module docstring)."""
+        ...
+
+    def trim(self, stream_id: str, max_bytes: int) -> None:
+        """Drop the stream's oldest records until its log holds at most ``max_bytes``,
+        keeping at least its newest record."""
+        ...
 
     def watch(self, stream_id: str, after_seq: int, waiter: Waiter) -> None: ...
 

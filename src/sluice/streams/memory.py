@@ -3,6 +3,9 @@
 Each stream keeps its neutral events and their native SSE frames side by side (no object
 per record); frames are encoded once, at append, and readers join them as they are.
 Waiters are futures kept in a per-stream list and resolved by the next append.
+
+Bytes are the estimate of :mod:`sluice.streams.sizing` (events and frames, as held), so the
+per-stream bound and the hub's server-wide budget count what the process really holds.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from sluice.errors import ResumeGapError, StreamNotFoundError
 from sluice.events import NeutralEvent
 from sluice.streams.ids import event_id
 from sluice.streams.log import Batch, LogLimits, Waiter
+from sluice.streams.sizing import LOG_BYTES, record_bytes
 
 __all__ = ["MemoryEventLog"]
 
@@ -25,7 +29,7 @@ class _Log:
         self.events: list[NeutralEvent] = []
         self.frames: list[bytes] = []
         self.first_seq = 1  # seq of events[0] (or of the next event, when empty)
-        self.num_bytes = 0
+        self.num_bytes = 0  # of the records (see sluice.streams.sizing), not LOG_BYTES
         self.waiters: list[Waiter] = []
 
 
@@ -35,6 +39,7 @@ class MemoryEventLog:
     def __init__(self, limits: LogLimits | None = None) -> None:
         self._limits = limits or LogLimits()
         self._logs: dict[str, _Log] = {}
+        self._total_bytes = 0
 
     def __len__(self) -> int:
         return len(self._logs)
@@ -49,6 +54,7 @@ class MemoryEventLog:
         if stream_id in self._logs:
             raise ValueError(f"log for {stream_id!r} already exists")
         self._logs[stream_id] = _Log()
+        self._total_bytes += LOG_BYTES
 
     async def append(self, stream_id: str, events: Sequence[NeutralEvent]) -> int:
         log = self._logs.get(stream_id)
@@ -58,34 +64,58 @@ class MemoryEventLog:
         seq = log.first_seq + len(frames)
         num_bytes = log.num_bytes
         frame_of = native.frame
+        size_of = record_bytes
         for event in events:
             frame = frame_of(event, event_id(stream_id, seq))
             frames.append(frame)
-            num_bytes += len(frame)
+            num_bytes += size_of(event, frame)
             seq += 1
+        self._total_bytes += num_bytes - log.num_bytes
         log.num_bytes = num_bytes
         log.events.extend(events)
-        if len(frames) > self._limits.max_records or log.num_bytes > self._limits.max_bytes:
-            self._trim(log)
+        limits = self._limits
+        if len(frames) > limits.max_records or num_bytes > limits.max_bytes:
+            # Drop a tenth of the bound more than needed, so trimming is amortised O(1).
+            self._trim(
+                log,
+                limits.max_records - limits.max_records // 10,
+                limits.max_bytes - limits.max_bytes // 10,
+            )
         if log.waiters:
             self._wake(log)
         return seq - 1
 
-    def _trim(self, log: _Log) -> None:
-        # Drop at least a tenth of the bound at once so trimming is amortised O(1) per append.
-        limits = self._limits
+    def _trim(self, log: _Log, keep_records: int, keep_bytes: int) -> None:
+        """Drop the oldest records until at most ``keep_records`` of at most ``keep_bytes``
+        remain, but never the newest record."""
         frames = log.frames
-        keep_records = limits.max_records - limits.max_records // 10
-        keep_bytes = limits.max_bytes - limits.max_bytes // 10
+        events = log.events
         drop = max(0, len(frames) - keep_records)
-        num_bytes = log.num_bytes - sum(map(len, frames[:drop]))
+        num_bytes = log.num_bytes
+        for i in range(drop):
+            num_bytes -= record_bytes(events[i], frames[i])
         while drop < len(frames) - 1 and num_bytes > keep_bytes:
-            num_bytes -= len(frames[drop])
+            num_bytes -= record_bytes(events[drop], frames[drop])
             drop += 1
+        if not drop:
+            return
         del frames[:drop]
-        del log.events[:drop]
+        del events[:drop]
         log.first_seq += drop
+        self._total_bytes -= log.num_bytes - num_bytes
         log.num_bytes = num_bytes
+
+    def num_bytes(self, stream_id: str) -> int:
+        return LOG_BYTES + self._get(stream_id).num_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """What every stream's log holds (the sum of :meth:`num_bytes`)."""
+        return self._total_bytes
+
+    def trim(self, stream_id: str, max_bytes: int) -> None:
+        log = self._get(stream_id)
+        self._trim(log, len(log.frames), max_bytes - LOG_BYTES)
 
     def read(self, stream_id: str, after_seq: int, max_records: int) -> Batch:
         log = self._get(stream_id)
@@ -119,6 +149,7 @@ class MemoryEventLog:
         log = self._logs.pop(stream_id, None)
         if log is None:
             return
+        self._total_bytes -= LOG_BYTES + log.num_bytes
         self._wake(log)
 
     async def aclose(self) -> None:
