@@ -57,6 +57,11 @@ logger = logging.getLogger("sluice.serve")
 # The tiny GPT-2 the repository ships (see scripts/train_tiny_model.py), served by default.
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "sluice-tiny"
 
+# After a second SIGTERM ended the live streams, the longest the server waits for their
+# producers to write the error before it stops anyway (a backend's abort is quick; this
+# only bounds one that is not).
+_END_NOW_FLUSH_S = 2.0
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -188,9 +193,34 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="open HTTP connections served at once; a request on one more is refused (503 "
-        "+ Retry-After; an SSE read gets a 'retry:' hint) and its connection closed "
+        help="connections inside a request (head received, response not complete; an SSE "
+        "stream for its whole life) served at once; a request that would make one more is "
+        "refused (503 + Retry-After; an SSE read gets a 'retry:' hint) and its connection "
+        "closed. Idle and half-sent connections do not count: --head-timeout closes them "
         "(default: no limit)",
+    )
+    serve.add_argument(
+        "--head-timeout",
+        type=float,
+        default=defaults.head_timeout_s,
+        metavar="SECONDS",
+        help="a request head must arrive within this of the connection (kept alive: of its "
+        "first byte); else 408 and close (a silent connection is just closed)",
+    )
+    serve.add_argument(
+        "--body-timeout",
+        type=float,
+        default=defaults.body_timeout_s,
+        metavar="SECONDS",
+        help="a request body must arrive whole within this of its head; else 408 (or, "
+        "once a response has started, a close)",
+    )
+    serve.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="an idle kept-alive connection is closed after this, after any response",
     )
     serve.add_argument(
         "--max-streams-per-tenant",
@@ -347,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="serve SSE reads with Sluice's callback-driven HTTP protocol; with "
         "--no-native-sse they go through the ASGI app like every other request, as under "
-        "any ASGI server",
+        "any ASGI server (the connection deadlines and limits apply either way)",
     )
     serve.add_argument(
         "--log-level",
@@ -437,6 +467,8 @@ def _settings(args: argparse.Namespace) -> Settings:
         max_stream_s=args.max_stream_duration,
         send_timeout_s=args.send_timeout,
         coalesce=args.coalesce,
+        head_timeout_s=args.head_timeout,
+        body_timeout_s=args.body_timeout,
     )
 
 
@@ -446,8 +478,11 @@ class _Server(uvicorn.Server):
     The first SIGTERM (or SIGINT) starts the drain: ``/readyz`` turns 503 and new streams
     are refused (503 + ``Retry-After``) while the listener stays open, live streams get
     ``drain_timeout_s`` to finish, and the rest end on an event boundary with a retryable
-    error. Then uvicorn's own shutdown runs. A second signal skips what is left of the
-    drain. uvicorn re-raises the signal it shut down for, so the process would die of
+    error. Then uvicorn's own shutdown runs. A second signal is the drain's deadline, now:
+    every live stream, in every dialect and on either SSE path, ends at once with that
+    retryable error, which its writer still delivers; then the server stops (after
+    ``_END_NOW_FLUSH_S`` at most, should a producer not end). A third signal stops without
+    waiting. uvicorn re-raises the signal it shut down for, so the process would die of
     SIGTERM after draining; a supervisor (systemd, Kubernetes) asked for exactly this stop.
     """
 
@@ -456,6 +491,8 @@ class _Server(uvicorn.Server):
         self._app = app
         self._drain_timeout_s = drain_timeout_s
         self._drain: asyncio.Task[None] | None = None
+        self._ending_now = False  # a second signal ended the live streams
+        self._stopping = False  # uvicorn's shutdown was asked for
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -465,22 +502,35 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # A signal handler runs between any two bytecodes: hand over to the loop.
         loop = self._loop
-        if self._drain is None and loop is not None and self._app.hub.running_now:
+        if loop is not None and self._app.hub.running_now:
             loop.call_soon_threadsafe(self._start_drain, sig)
             return
         self._exit(sig, frame)
 
     def _start_drain(self, sig: int) -> None:
+        loop = asyncio.get_running_loop()
         if self._drain is None:
-            self._drain = asyncio.get_running_loop().create_task(self._drain_then_exit(sig))
+            self._drain = loop.create_task(self._drain_then_exit(sig))
+        elif not self._ending_now:
+            # A second signal: the drain's deadline is now. The drain then sees the last
+            # producer write its error and stops the server.
+            self._ending_now = True
+            num_ended = self._app.hub.end_live_streams()
+            logger.info("second signal: ending %d live streams now", num_ended)
+            loop.call_later(_END_NOW_FLUSH_S, self._stop, sig)
         else:
-            self._exit(sig, None)  # a second signal: stop now
+            self._exit(sig, None)  # a third signal: stop now
 
     async def _drain_then_exit(self, sig: int) -> None:
         logger.info("draining: %d live streams", len(self._app.hub.live_streams()))
         try:
             await self._app.hub.drain(self._drain_timeout_s)
         finally:
+            self._stop(sig)
+
+    def _stop(self, sig: int) -> None:
+        if not self._stopping:
+            self._stopping = True
             self._exit(sig, None)
 
     def _exit(self, sig: int, frame: FrameType | None) -> None:
@@ -632,6 +682,9 @@ def serve(args: argparse.Namespace) -> int:
     if args.max_connections is not None and args.max_connections < 1:
         print("sluice serve: --max-connections must be at least 1", file=sys.stderr)
         return 2
+    if not args.keep_alive_timeout > 0:
+        print("sluice serve: --keep-alive-timeout must be positive", file=sys.stderr)
+        return 2
     slo_s, headroom_s = args.ttft_slo, args.ttft_headroom
     if slo_s is not None and not slo_s > 0:
         print("sluice serve: --ttft-slo must be positive", file=sys.stderr)
@@ -669,15 +722,15 @@ def serve(args: argparse.Namespace) -> int:
         port=args.port,
         fd=args.fd,
         loop="uvloop",
-        http=SluiceHttpProtocol if args.native_sse else "httptools",
+        http=SluiceHttpProtocol.for_server(native_sse=args.native_sse),
         ws="none",
         lifespan="on",
         log_config=log_config,
         log_level=args.log_level,
         access_log=args.access_log,
-        # uvicorn refuses a request once the open connections, the one asking included,
-        # reach its limit: N + 1 serves N connections.
-        limit_concurrency=None if args.max_connections is None else args.max_connections + 1,
+        # Read by SluiceHttpProtocol as the most connections inside a request.
+        limit_concurrency=args.max_connections,
+        timeout_keep_alive=args.keep_alive_timeout,
         server_header=False,
         backlog=4096,
         timeout_graceful_shutdown=args.shutdown_timeout,

@@ -1,6 +1,6 @@
-"""``sluice serve --max-connections N``: N held connections are served; a request on one
-more is refused as a full server (503 + ``Retry-After``; an SSE read a ``retry:`` hint),
-on the native SSE path as on uvicorn's own."""
+"""``sluice serve --max-connections N``: N connections inside a request are served; a
+request on one more is refused as a full server (503 + ``Retry-After``; an SSE read a
+``retry:`` hint), on the native SSE path as on the ASGI one."""
 
 from __future__ import annotations
 
@@ -29,32 +29,30 @@ def test_a_request_beyond_max_connections_is_refused_until_one_closes(native_sse
             assert [response.status for response in held] == [200, 200]
             refused = httpx.get(f"{server.base_url}/healthz")
             assert refused.status_code == 503
-            if native_sse:  # ours: the answer of a full server; uvicorn's has no header
-                assert refused.headers["retry-after"] == "1"
-                assert refused.json()["error"]["code"] == "overloaded"
-                # EventSource treats a non-200 as final: an SSE read gets a retry: hint.
-                sse = open_get(server.port, SLOW)
-                body = sse.sized_body()
-                sse.close()
-                assert sse.status == 200
-                assert body.startswith(b"retry: ")
-                assert Decoder().feed(body) == []
+            assert refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "overloaded"
+            # EventSource treats a non-200 as final: an SSE read gets a retry: hint.
+            sse = open_get(server.port, SLOW)
+            body = sse.sized_body()
+            sse.close()
+            assert sse.status == 200
+            assert body.startswith(b"retry: ")
+            assert Decoder().feed(body) == []
             held.pop().close()
             deadline = time.monotonic() + 10
             while httpx.get(f"{server.base_url}/healthz").status_code != 200:
                 assert time.monotonic() < deadline, "the closed connection's slot never freed"
                 time.sleep(0.02)  # polling an observable condition with a deadline
-            if native_sse:
-                scraped = httpx.get(f"{server.base_url}/metrics").text
-                refusals = [
-                    sample.value
-                    for family in text_string_to_metric_families(scraped)
-                    for sample in family.samples
-                    if sample.name == "sluice_admission_refusals_total"
-                    and sample.labels == {"reason": "max_connections"}
-                ]
-                assert len(refusals) == 1
-                assert refusals[0] >= 2
+            scraped = httpx.get(f"{server.base_url}/metrics").text
+            refusals = [
+                sample.value
+                for family in text_string_to_metric_families(scraped)
+                for sample in family.samples
+                if sample.name == "sluice_admission_refusals_total"
+                and sample.labels == {"reason": "max_connections"}
+            ]
+            assert len(refusals) == 1
+            assert refusals[0] >= 2
         finally:
             for response in held:
                 response.close()

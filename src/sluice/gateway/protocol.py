@@ -15,25 +15,48 @@ the transport, driven by callbacks:
   the header lines): a target over ``Settings.max_url_bytes`` is answered 414, header lines
   over ``Settings.max_header_bytes`` 431, and the connection closed, before the head is
   buffered whole;
-- uvicorn's ``limit_concurrency`` (``sluice serve --max-connections``) is checked here for
-  every request, SSE reads included, with uvicorn's rule (connections, this one counted,
-  or request tasks at the limit): over it, the request is refused like a full server
-  (``503`` + ``Retry-After``; an SSE read gets a ``retry:`` hint, see
-  :func:`~sluice.gateway.streaming.refusal`) and the connection is closed, which frees it;
+- requests are bounded in time (:mod:`sluice.gateway.deadline`): a head must arrive within
+  ``Settings.head_timeout_s`` of the connection (or, kept alive, of its first byte), a body
+  within ``Settings.body_timeout_s`` of its head; past that the request is answered
+  ``408`` where no response is under way, and the connection closed (a connection that
+  never sent a byte is just closed);
+- uvicorn's ``limit_concurrency`` (``sluice serve --max-connections``) counts the
+  connections *inside a request* (its head received, its response not yet complete; an
+  SSE stream for its whole life), not idle or half-sent ones, which the deadlines close:
+  a request that would make one more is refused like a full server (``503`` +
+  ``Retry-After``; an SSE read gets a ``retry:`` hint, see
+  :func:`~sluice.gateway.streaming.refusal`) and its connection closed;
+- pipelining: a request pipelined behind an SSE response is not served (it would wait for
+  the end of a stream that may last hours); the SSE response is delivered whole, with
+  ``connection: close`` where its head is still to be written, then the connection is
+  closed, and the client retries the unanswered request on a new one (RFC 9112 section
+  9.3.2). Requests pipelined behind other responses are queued and served in order, as
+  uvicorn does. An ``Upgrade`` this server does not speak (WebSocket, ``ws="none"``) is
+  answered as a plain request, then the connection is closed, since what follows on it is
+  not HTTP/1.1;
+- every close after a refusal or a deadline is a lingering close: the write side is shut
+  first and what the client still sends is read and dropped for a moment, so its kernel
+  does not answer the unread bytes with a reset that destroys the response (a 431 to a
+  200 KB head arrives);
 - with uvicorn's access log on, SSE responses served here are logged as uvicorn logs the
-  others (``uvicorn.access``).
+  others (``uvicorn.access``, the path percent-quoted).
 
-Every other request, and every SSE read when the app is served by another ASGI server,
-goes through the ASGI app unchanged. uvicorn is pinned: this subclass relies on its
-parser callbacks (``on_headers_complete``, ``on_body``, ``on_message_complete``) and on
-``on_response_complete`` for keep-alive.
+The protocol class of a server is made by :meth:`SluiceHttpProtocol.for_server`: its
+connections share one count of busy connections, and ``native_sse=False`` sends every
+request, SSE reads included, through the ASGI app (the deadlines, head bounds and
+connection limit still apply). Every other request, and every SSE read when the app is
+served by another ASGI server, goes through the ASGI app unchanged. uvicorn is pinned:
+this subclass relies on its parser callbacks (``on_message_begin``,
+``on_headers_complete``, ``on_body``, ``on_message_complete``), on
+``on_response_complete`` for keep-alive, and on its request cycle's ``keep_alive``,
+``response_started``, ``response_complete``, ``disconnected`` and ``message_event``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import urllib.parse
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import httptools
 from uvicorn.protocols.http.flow_control import FlowControl
@@ -41,7 +64,8 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.protocols.utils import get_client_addr
 
 from sluice.errors import CapacityError, SluiceError
-from sluice.gateway.errors import response_for
+from sluice.gateway.deadline import ReadDeadline, ReadPhase
+from sluice.gateway.errors import error_response, response_for
 from sluice.gateway.limits import HEADER_LINE_OVERHEAD, header_bytes_error, url_bytes_error
 from sluice.gateway.requests import stamp_received
 from sluice.gateway.settings import Settings
@@ -50,7 +74,7 @@ from sluice.observability.metrics import Metrics
 from sluice.transports.asgi import Scope
 from sluice.transports.sse import SSE_HEADERS, SSEConnection, set_write_deadline
 
-__all__ = ["SluiceHttpProtocol"]
+__all__ = ["BusyConnections", "SluiceHttpProtocol"]
 
 _LAST_CHUNK = b"0\r\n\r\n"
 # httptools hands a header line over only once it is whole, so a single endless line would
@@ -59,6 +83,12 @@ _LAST_CHUNK = b"0\r\n\r\n"
 _HEAD_READ_SLACK_BYTES = 64 * 1024
 # What a request refused for the connection limit is told to wait (``Retry-After``).
 _CONNECTION_LIMIT_RETRY_AFTER_S = 1.0
+# Lingering close (as Apache's and nginx's): after the response, the write side is shut
+# and what the client still sends is dropped for this long (nginx: lingering_time) or this
+# many bytes, then the socket is closed. Closing at once with unread bytes makes the kernel
+# send a reset, which can destroy the response in flight.
+_LINGER_S = 2.0
+_MAX_DISCARD_BYTES = 1024 * 1024
 
 
 class _Pipeline(list[Any]):
@@ -98,16 +128,35 @@ class _FlowControl(FlowControl):
                 self._event.set()
 
 
+class BusyConnections:
+    """How many of one server's connections are inside a request now (its head received,
+    its response not complete): what ``--max-connections`` bounds."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
 class SluiceHttpProtocol(HttpToolsProtocol):
-    """uvicorn's HTTP/1.1 protocol with callback-driven SSE reads."""
+    """uvicorn's HTTP/1.1 protocol with read deadlines and callback-driven SSE reads."""
+
+    # Set on the class of one server by for_server().
+    native_sse: ClassVar[bool] = True
+    busy: ClassVar[BusyConnections | None] = None
 
     # Slots keep the per-connection instance dict of the base class from growing.
     __slots__ = (
+        "discarding",
         "head_limits",
-        "head_refused",
         "in_head",
+        "in_request",
+        "linger",
+        "max_busy",
+        "num_discarded_bytes",
         "num_head_bytes",
         "num_header_bytes",
+        "read_deadline",
         "sse",
         "sse_chunked",
         "sse_closing",
@@ -116,8 +165,18 @@ class SluiceHttpProtocol(HttpToolsProtocol):
         "sse_streams",
     )
 
+    @classmethod
+    def for_server(cls, *, native_sse: bool = True) -> type[SluiceHttpProtocol]:
+        """The protocol class of one server: its connections share one
+        :class:`BusyConnections`; with ``native_sse=False`` SSE reads go through the ASGI
+        app like every other request."""
+        namespace = {"__slots__": (), "native_sse": native_sse, "busy": BusyConnections()}
+        return cast(type[SluiceHttpProtocol], type(cls.__name__, (cls,), namespace))
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if self.busy is None:
+            raise TypeError("make the protocol class with SluiceHttpProtocol.for_server()")
         self.sse_streams: EventStreams | None = getattr(self.config.app, "streams", None)
         self.sse: SSEConnection | None = None
         self.sse_request = False  # the current request is an SSE read served here
@@ -127,22 +186,38 @@ class SluiceHttpProtocol(HttpToolsProtocol):
         self.pipeline = _Pipeline()  # type: ignore[assignment]
         limits = getattr(self.config.app, "settings", None)
         self.head_limits: Settings = limits if isinstance(limits, Settings) else Settings()
-        self.head_refused = False  # a head over the limits was answered; ignore the rest
+        # --max-connections: busy connections (see BusyConnections), checked here; uvicorn's
+        # own check, which counts idle connections too, is off.
+        self.max_busy: int | None = self.limit_concurrency
+        self.limit_concurrency = None
+        self.in_request = False  # counted in self.busy
+        self.discarding = False  # no more requests are parsed: what arrives is dropped
+        self.num_discarded_bytes = 0
+        self.linger: asyncio.TimerHandle | None = None  # a lingering close is under way
         self.in_head = False  # between a message's first byte and the end of its head
         self.num_head_bytes = 0  # raw bytes read while in the head
         self.num_header_bytes = 0  # header lines parsed, as on the wire
+        self.read_deadline = ReadDeadline(
+            self.loop,
+            head_s=self.head_limits.head_timeout_s,
+            body_s=self.head_limits.body_timeout_s,
+            on_expired=self._read_timed_out,
+            reading_paused=self._reading_paused,
+        )
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.flow = _FlowControl(transport)
+        self.read_deadline.head_begins()  # a silent connection is closed at its deadline
 
     # ------------------------------------------------------------------ head limits
 
     def data_received(self, data: bytes) -> None:
-        if self.head_refused:
+        if self.discarding:
+            self._discard(len(data))
             return
         super().data_received(data)
-        if self.in_head and not self.head_refused:
+        if self.in_head and not self.discarding:
             self.num_head_bytes += len(data)
             limits = self.head_limits
             bound = limits.max_header_bytes + limits.max_url_bytes + _HEAD_READ_SLACK_BYTES
@@ -152,14 +227,21 @@ class SluiceHttpProtocol(HttpToolsProtocol):
                     self._refuse_head(error)
 
     def on_message_begin(self) -> None:
+        if self.discarding:
+            return
+        if self.sse_request:
+            # Pipelined behind a live SSE response: not served (see the module docstring).
+            self._stop_reading_requests()
+            return
         super().on_message_begin()
         stamp_received(cast(Scope, self.scope))
         self.in_head = True
         self.num_head_bytes = 0
         self.num_header_bytes = 0
+        self.read_deadline.head_begins()
 
     def on_url(self, url: bytes) -> None:
-        if self.head_refused:
+        if self.discarding:
             return
         super().on_url(url)
         error = url_bytes_error(len(self.url), self.head_limits)
@@ -167,7 +249,7 @@ class SluiceHttpProtocol(HttpToolsProtocol):
             self._refuse_head(error)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.head_refused:
+        if self.discarding:
             return
         self.num_header_bytes += len(name) + len(value) + HEADER_LINE_OVERHEAD
         error = header_bytes_error(self.num_header_bytes, self.head_limits)
@@ -177,16 +259,15 @@ class SluiceHttpProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def _refuse_head(self, error: SluiceError, *, sse: bool = True) -> None:
-        """Answer a head over the limits (unless a response is under way) and hang up;
-        ``sse=False`` answers as the JSON routes do (a full server: ``503`` +
-        ``Retry-After``), not as an SSE read (a ``retry:`` hint)."""
-        self.head_refused = True
+        """Answer a request refused from its head (unless a response is under way: that
+        one ends, then the connection closes) and hang up; ``sse=False`` answers as the
+        JSON routes do (a full server: ``503`` + ``Retry-After``), not as an SSE read (a
+        ``retry:`` hint)."""
         self.in_head = False
-        busy = self.sse_request or (self.cycle is not None and not self.cycle.response_complete)
-        if busy or self.transport.is_closing():
-            self.transport.close()
+        if self._response_under_way():
+            self._stop_reading_requests()
             return
-        self.sse_keep_alive = False
+        self._stop_reading_requests()
         if sse:
             self._write_whole(*refusal(error))
         else:
@@ -195,23 +276,93 @@ class SluiceHttpProtocol(HttpToolsProtocol):
                 response.status_code, list(response.raw_headers), bytes(response.body)
             )
 
+    # ------------------------------------------------------------------ deadlines
+
+    def _reading_paused(self) -> bool:
+        return self.flow is not None and self.flow.read_paused
+
+    def _read_timed_out(self, phase: ReadPhase) -> None:
+        """A head or body did not arrive in time: answer ``408`` where nothing else is being
+        answered, and close."""
+        if self.transport.is_closing() or self.discarding:
+            return
+        if phase is ReadPhase.HEAD:
+            if self._response_under_way():
+                self._stop_reading_requests()  # the response in progress ends, then close
+                return
+            if not self.in_head:  # it never sent a byte of this request: nothing to answer
+                self._stop_reading_requests()
+                self.transport.close()
+                return
+            message = f"request head not received within {self.head_limits.head_timeout_s:g} s"
+        else:
+            cycle = self.cycle
+            if self.sse_request or cycle is None or cycle.response_started or self.pipeline:
+                self.transport.close()  # its response is under way (or done): cut it
+                return
+            cycle.disconnected = True  # the app stops waiting for the body, and writes nothing
+            cycle.message_event.set()
+            message = f"request body not received within {self.head_limits.body_timeout_s:g} s"
+        self.in_head = False
+        self._stop_reading_requests()
+        response = error_response(408, "request_timeout", message)
+        self._write_whole(408, list(response.raw_headers), bytes(response.body))
+
+    # ------------------------------------------------------------------ closing
+
+    def _response_under_way(self) -> bool:
+        return self.sse_request or (self.cycle is not None and not self.cycle.response_complete)
+
+    def _stop_reading_requests(self) -> None:
+        """Parse no more requests on this connection: drop what arrives, end the response
+        under way (if any) and close. The client retries what was not answered."""
+        self.discarding = True
+        self.read_deadline.cancel()
+        self.sse_keep_alive = False
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.keep_alive = False  # the last request queued or in progress closes it
+
+    def _discard(self, num_bytes: int) -> None:
+        self.num_discarded_bytes += num_bytes
+        if self.num_discarded_bytes <= _MAX_DISCARD_BYTES:
+            return
+        if self.linger is not None:
+            self.transport.close()
+        else:
+            self.flow.pause_reading()  # behind a response under way: read no more
+
+    def _close_lingering(self) -> None:
+        """Close after a response, the lingering way (see ``_LINGER_S``)."""
+        transport = self.transport
+        self.discarding = True
+        self.read_deadline.cancel()
+        if transport.is_closing() or self.linger is not None:
+            return
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()  # our FIN: the client reads the whole response, then EOF
+        self.num_discarded_bytes = 0
+        self.linger = self.loop.call_later(_LINGER_S, transport.close)
+        self.flow.resume_reading()  # read (and drop) what it still sends; its EOF closes
+
     # ------------------------------------------------------------------ parser callbacks
 
     def on_headers_complete(self) -> None:
-        if self.head_refused:
+        if self.discarding:
             return
         self.in_head = False
-        if self.sse_request:
-            # A request pipelined behind a live SSE response: not supported, hang up.
-            self.transport.close()
-            return
-        streams = self.sse_streams
+        self.read_deadline.head_complete()
         method = self.parser.get_method().decode("ascii")
-        limit = self.limit_concurrency
-        over_limit = limit is not None and (
-            len(self.connections) >= limit or len(self.tasks) >= limit
-        )
+        max_busy = self.max_busy
+        busy = self.busy
+        assert busy is not None  # checked in __init__
+        over_limit = max_busy is not None and not self.in_request and busy.count >= max_busy
+        streams = self.sse_streams
         if (streams is None or self.parser.should_upgrade()) and not over_limit:
+            if not (self.parser.should_upgrade() and self._should_upgrade()):
+                self._begin_request()  # an upgraded connection leaves this protocol
             super().on_headers_complete()
             return
         parsed = httptools.parse_url(self.url)
@@ -222,8 +373,9 @@ class SluiceHttpProtocol(HttpToolsProtocol):
         if over_limit:
             self._refuse_over_limit(method, path, parsed.query or b"", http_version)
             return
-        busy = self.cycle is not None and not self.cycle.response_complete
-        if streams is None or busy or not streams.handles(method, path):
+        self._begin_request()
+        under_way = self.cycle is not None and not self.cycle.response_complete
+        if streams is None or not self.native_sse or under_way or not streams.handles(method, path):
             super().on_headers_complete()
             return
         self.scope["method"] = method
@@ -245,7 +397,7 @@ class SluiceHttpProtocol(HttpToolsProtocol):
     def _refuse_over_limit(
         self, method: str, path: str, query_string: bytes, http_version: str
     ) -> None:
-        """Answer a request over ``limit_concurrency`` as a full server and hang up."""
+        """Answer a request over the busy-connection limit as a full server and hang up."""
         self.scope["method"] = method
         self.scope["http_version"] = http_version
         self.scope["path"] = path
@@ -265,16 +417,48 @@ class SluiceHttpProtocol(HttpToolsProtocol):
             self._refuse_head(error, sse=False)
 
     def on_body(self, body: bytes) -> None:
-        if not self.sse_request and not self.head_refused:
+        if not self.sse_request and not self.discarding:
             super().on_body(body)
 
     def on_message_complete(self) -> None:
-        if not self.sse_request and not self.head_refused:
-            super().on_message_complete()
+        if self.discarding:
+            return
+        self.read_deadline.body_complete()
+        if self.sse_request:
+            return
+        super().on_message_complete()
+        if self.parser.should_upgrade() and not self._should_upgrade():
+            # An Upgrade we do not speak: what follows is not HTTP/1.1 (httptools stops
+            # parsing here). Answer this request, then close.
+            self._stop_reading_requests()
+
+    def on_response_complete(self) -> None:
+        if not self.pipeline:
+            self._end_request()
+        super().on_response_complete()
+
+    def _begin_request(self) -> None:
+        if not self.in_request:
+            self.in_request = True
+            busy = self.busy
+            assert busy is not None  # checked in __init__
+            busy.count += 1
+
+    def _end_request(self) -> None:
+        if self.in_request:
+            self.in_request = False
+            busy = self.busy
+            assert busy is not None  # checked in __init__
+            busy.count -= 1
 
     # ------------------------------------------------------------------ transport events
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.read_deadline.cancel()
+        if self.linger is not None:
+            self.linger.cancel()
+            self.linger = None
+        self._end_request()
         if self.sse is not None:
             self.sse.connection_lost()
             self.sse = None
@@ -344,8 +528,11 @@ class SluiceHttpProtocol(HttpToolsProtocol):
     ) -> None:
         if self.access_log and self.scope is not None:
             scope = self.scope
+            # Quoted as uvicorn quotes its own lines: a decoded %0d%0a would forge a line.
+            target = urllib.parse.quote(scope.get("path", "-"))
             query = scope.get("query_string", b"")
-            target = scope.get("path", "-") + ("?" + query.decode("latin-1") if query else "")
+            if query:
+                target += "?" + query.decode("latin-1")
             self.access_logger.info(
                 '%s - "%s %s HTTP/%s" %d',
                 get_client_addr(cast(Any, scope)),
@@ -387,15 +574,16 @@ class SluiceHttpProtocol(HttpToolsProtocol):
             self.sse_request = False
             self.transport.abort()
             return
-        if not clean or not self.sse_chunked:
+        if not self.sse_chunked:
             self.sse_keep_alive = False
-        if self.sse_chunked and clean:
+        if self.sse_chunked:
             self.transport.write(_LAST_CHUNK)
         self._response_done()
 
     def _response_done(self) -> None:
         self.sse_request = False
+        self._end_request()
         if not self.sse_keep_alive:
-            self.transport.close()
+            self._close_lingering()
             return
         self.on_response_complete()

@@ -61,6 +61,15 @@ class Settings:
     # the request target (path and query) 414 (common proxy defaults: nginx 8 KiB lines).
     max_header_bytes: int = 16 * 1024
     max_url_bytes: int = 8 * 1024
+    # Connections (see sluice.gateway.deadline): a request head must arrive within
+    # head_timeout_s of the connection (or, kept alive, of its first byte), its body within
+    # body_timeout_s of the head; else 408 and close. A real client sends its head in one
+    # write right after connecting, so 10 s covers slow links and loaded clients (Go's
+    # servers commonly use ReadHeaderTimeout 10 s) while an idle or slowloris socket holds
+    # its descriptor 10 s at most. Bodies are at most max_body_bytes (1 MiB): 30 s asks
+    # 35 KB/s of the largest one, a few KB/s of a typical request.
+    head_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
     # Which model a request gets when it names none.
     default_model: str = "words"
     cors_allow_origins: tuple[str, ...] = field(default=("*",))
@@ -84,6 +93,8 @@ class Settings:
             "max_tokens_limit": self.max_tokens_limit,
             "max_header_bytes": self.max_header_bytes,
             "max_url_bytes": self.max_url_bytes,
+            "head_timeout_s": self.head_timeout_s,
+            "body_timeout_s": self.body_timeout_s,
         }
         for name, value in positive.items():
             if value <= 0:

@@ -279,12 +279,19 @@ class StreamHub:
             changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), left)
-        for stream in self.live_streams():
-            stream.cancel_cause = "shutdown"
-            self.cancel(stream.id)
+        self.end_live_streams()
         while self.live_streams():
             changed.clear()
             await changed.wait()
+
+    def end_live_streams(self) -> int:
+        """End every live stream now, as :meth:`drain` does at its deadline: each one's
+        producer writes a retryable ``unavailable`` error. Returns how many."""
+        live = self.live_streams()
+        for stream in live:
+            stream.cancel_cause = "shutdown"
+            self.cancel(stream.id)
+        return len(live)
 
     def __len__(self) -> int:
         return len(self._streams)
