@@ -17,7 +17,9 @@ before the stream's first event, translated at this boundary:
 - ``ValueError`` (an empty or too long prompt, a bad ``max_tokens``) becomes
   :class:`~sluice.errors.BadRequestError`;
 - the driver's errors (a failed step, a stopped driver) become a retryable
-  :class:`~sluice.errors.BackendError`.
+  :class:`~sluice.errors.BackendError`; a request the engine failed alone
+  (:class:`~sluice.engine.driver.EngineRequestError`) a non-retryable one. Their messages
+  are the driver's, written for clients (no exception text of the engine's).
 
 Every engine output becomes one :class:`~sluice.backends.base.Delta`; its text (if any) is
 one :class:`~sluice.events.TextDelta`. ``abort()`` aborts the engine request and returns
@@ -39,7 +41,7 @@ from typing import Protocol
 from sluice.backends.admission import RetryAfterPacer, StepCostModel, TtftPredictor
 from sluice.backends.base import Delta, GenerationRequest
 from sluice.backends.chat import SIMPLE_TEMPLATE, ChatTemplate
-from sluice.engine.driver import AsyncEngine, EngineDriverError, RequestStream
+from sluice.engine.driver import AsyncEngine, EngineDriverError, EngineRequestError, RequestStream
 from sluice.engine.engine import Engine, RequestOutput
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import QueueFullError
@@ -236,7 +238,8 @@ class EngineGeneration:
                 yield Delta(events, reason)
         except EngineDriverError as exc:
             self._finished = True  # the driver has already dropped the request
-            raise BackendError(str(exc), retryable=True) from exc
+            retryable = not isinstance(exc, EngineRequestError)
+            raise BackendError(str(exc), retryable=retryable) from exc
         finally:
             self._leave()
             if not self._finished:  # cancelled, aborted or abandoned: free the blocks
