@@ -3,7 +3,10 @@
 Each :class:`EngineGeneration` encodes its prompt (a chat's messages through the model's
 :class:`~sluice.backends.chat.ChatTemplate` first) and adds its request through an
 :class:`~sluice.engine.driver.AsyncEngine` in ``start()``, so admission errors surface
-before the stream's first event, translated at this boundary:
+before the stream's first event. A :class:`~sluice.backends.prompt.PromptPreparer` makes
+the token ids: an oversized prompt is refused before it is encoded, and large prompts are
+rendered and encoded on its worker threads, never on the event loop. Errors are translated
+at this boundary:
 
 - the scheduler's ``QueueFullError`` becomes :class:`~sluice.errors.CapacityError`
   (``retry_after_s=1``, reason ``queue_full``);
@@ -36,11 +39,11 @@ import dataclasses
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Protocol
 
 from sluice.backends.admission import RetryAfterPacer, StepCostModel, TtftPredictor
 from sluice.backends.base import Delta, GenerationRequest
 from sluice.backends.chat import SIMPLE_TEMPLATE, ChatTemplate
+from sluice.backends.prompt import PromptEncoder, PromptPreparer
 from sluice.engine.driver import AsyncEngine, EngineDriverError, EngineRequestError, RequestStream
 from sluice.engine.engine import Engine, RequestOutput
 from sluice.engine.sampling_params import SamplingParams
@@ -63,12 +66,6 @@ _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 AbortObserver = Callable[[float], None]
 
 
-class PromptEncoder(Protocol):
-    """The part of a tokenizer the backend needs."""
-
-    def encode(self, text: str) -> list[int]: ...
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class Admission:
     """What the backend's generations share to decide admission: the predictor of their
@@ -88,15 +85,14 @@ class EngineGeneration:
     __slots__ = (
         "_aborted",
         "_admission",
-        "_chat",
         "_driver",
-        "_encoder",
         "_finished",
         "_latest",
         "_max_tokens",
         "_num_prompt_tokens",
         "_on_abort_freed",
         "_params",
+        "_prompts",
         "_request",
         "_started",
         "_stream",
@@ -106,8 +102,7 @@ class EngineGeneration:
     def __init__(
         self,
         driver: AsyncEngine,
-        encoder: PromptEncoder,
-        chat: ChatTemplate,
+        prompts: PromptPreparer,
         request: GenerationRequest,
         params: SamplingParams,
         max_tokens: int,
@@ -118,8 +113,7 @@ class EngineGeneration:
         self._on_abort_freed = on_abort_freed
         self._admission = admission
         self._tracked = False  # counted among the predictor's requests
-        self._encoder = encoder
-        self._chat = chat
+        self._prompts = prompts
         self._request = request
         self._params = params
         self._max_tokens = max_tokens
@@ -140,14 +134,13 @@ class EngineGeneration:
         if self._stream is not None or self._aborted:
             return
         try:
-            prompt = self._request.prompt
-            if self._request.messages is not None:
-                prompt = self._chat.render(self._request.messages)
-            prompt_ids = self._encoder.encode(prompt)
-            self._num_prompt_tokens = len(prompt_ids)
             params = _request_params(self._params, self._request, self._max_tokens)
+            prompt_ids = await self._prompts.prompt_ids(self._request, self._max_tokens)
         except ValueError as exc:
             raise BadRequestError(str(exc)) from exc
+        if self._abort_requested():  # abort() ran while the prompt was being made
+            return
+        self._num_prompt_tokens = len(prompt_ids)
         self._admit()  # counts it in the predictor at once, so concurrent starts see it
         try:
             stream = await self._driver.add_request(prompt_ids, params)
@@ -327,7 +320,8 @@ class EngineBackend:
         self._tokenizer = tokenizer
         self._default_max_tokens = default_max_tokens
         self._params = params or SamplingParams()
-        self._chat = chat_template or ChatTemplate(SIMPLE_TEMPLATE)
+        chat = chat_template or ChatTemplate(SIMPLE_TEMPLATE)
+        self._prompts = PromptPreparer(tokenizer, chat, driver.config.max_model_len)
         self.version = version  # the ``model_version`` metrics label
         # Off (None) by default: refusing on a prediction is an operator's choice.
         self.ttft_slo_s = ttft_slo_s
@@ -353,8 +347,7 @@ class EngineBackend:
         max_tokens = self._default_max_tokens if request.max_tokens is None else request.max_tokens
         return EngineGeneration(
             self._driver,
-            self._tokenizer,
-            self._chat,
+            self._prompts,
             request,
             self._params,
             max_tokens,
@@ -407,5 +400,5 @@ class EngineBackend:
         return stats
 
     async def aclose(self) -> None:
-        """Nothing to release: the driver belongs to whoever started it."""
-        return None
+        """Stop the prompt workers; the driver belongs to whoever started it."""
+        self._prompts.close()
