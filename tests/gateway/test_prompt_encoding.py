@@ -69,7 +69,8 @@ def send_prompts(server: ServerProcess, api: str, model: str) -> None:
 
     def post(_: int) -> httpx.Response:
         headers = {"Content-Type": "application/json"}
-        return httpx.post(f"{server.base_url}{path}", content=body, headers=headers)
+        # The encodes queue for two workers; a loaded host makes the last one wait long.
+        return httpx.post(f"{server.base_url}{path}", content=body, headers=headers, timeout=120)
 
     with concurrent.futures.ThreadPoolExecutor(NUM_PROMPTS) as pool:
         responses = list(pool.map(post, range(NUM_PROMPTS)))
