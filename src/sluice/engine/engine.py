@@ -224,16 +224,16 @@ class Engine:
         """
         if not prompt_token_ids:
             raise ValueError("the prompt needs at least one token")
+        num_total = len(prompt_token_ids) + params.max_tokens
+        if num_total > self.config.max_model_len:  # before the scan of a huge prompt's ids
+            raise ValueError(
+                f"prompt of {len(prompt_token_ids)} tokens plus max_tokens={params.max_tokens} "
+                f"exceeds max_model_len={self.config.max_model_len}"
+            )
         bad = [t for t in prompt_token_ids if not 0 <= t < self._vocab_size]
         if bad:
             raise ValueError(
                 f"token ids {bad[:8]} are outside the vocabulary [0, {self._vocab_size})"
-            )
-        num_total = len(prompt_token_ids) + params.max_tokens
-        if num_total > self.config.max_model_len:
-            raise ValueError(
-                f"prompt of {len(prompt_token_ids)} tokens plus max_tokens={params.max_tokens} "
-                f"exceeds max_model_len={self.config.max_model_len}"
             )
         request_id = self._next_request_id
         seq = Sequence(request_id, prompt_token_ids, self.config.block_size)
