@@ -17,15 +17,17 @@ import pytest
 
 from sluice.engine import BlockManagerStats, QueueFullError
 from sluice.engine.driver import (
+    STEP_FAILED_MESSAGE,
     AsyncEngine,
     EngineClosedError,
+    EngineRequestError,
     EngineStepError,
     RequestStream,
 )
 from sluice.engine.engine import Engine, EngineConfig, RequestOutput
 from sluice.engine.models import GPT2Config, GPT2LMHeadModel
 from sluice.engine.sampling_params import SamplingParams
-from tests.engine.tiny_models import ascii_bytes, varied_gpt2
+from tests.engine.tiny_models import ascii_bytes, nan_at_position, varied_gpt2
 
 pytestmark = pytest.mark.anyio
 
@@ -208,10 +210,30 @@ async def test_a_failing_step_fails_live_streams_and_the_thread_keeps_serving(
     with pytest.raises(EngineStepError) as excinfo:
         await collect(stream)
     assert isinstance(excinfo.value.__cause__, RuntimeError)
+    assert str(excinfo.value) == STEP_FAILED_MESSAGE  # the cause is the log's, not the client's
     after = await collect(await driver.add_request([1, 2, 3], GREEDY))
     assert after[-1].finished
     final = await stats(driver)
     assert final.num_free_blocks == final.num_blocks
+
+
+async def test_a_request_the_engine_fails_alone_ends_only_its_own_stream() -> None:
+    """A request that reaches a NaN position embedding gets NaN logits: its stream ends
+    with EngineRequestError while the streams beside it run to their last token."""
+    model = nan_at_position(MODEL_CONFIG, 110)  # past the live ones' 2 + 100 tokens
+    async with AsyncEngine(make_engine(model)) as driver:
+        live = [await driver.add_request([i + 1, i + 2], LONG) for i in range(3)]
+        for stream in live:
+            await anext(stream)  # decoding now
+        poisoned = await driver.add_request([i % 100 + 1 for i in range(112)], GREEDY)
+        with pytest.raises(EngineRequestError, match="non-finite logits"):
+            await collect(poisoned)
+        for stream in live:
+            rest = await collect(stream)
+            assert rest[-1].finish_reason == "length"
+            assert rest[-1].num_completion_tokens == LONG.max_tokens
+        final = await stats(driver)
+        assert final.num_free_blocks == final.num_blocks
 
 
 async def test_cancelled_add_request_leaks_no_request(driver: AsyncEngine) -> None:

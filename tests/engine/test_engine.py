@@ -379,25 +379,3 @@ def test_prefix_cache_hits_are_reported_in_outputs(model: GPT2LMHeadModel) -> No
     assert first[0].num_cached_tokens == 0
     assert second[0].num_cached_tokens == 12
     assert tokens_of(first) == tokens_of(second)
-
-
-def test_a_failing_step_aborts_its_batch_and_leaves_the_engine_usable(
-    model: GPT2LMHeadModel,
-) -> None:
-    calls = 0
-
-    def flaky_token_bytes(token: int) -> bytes:
-        nonlocal calls
-        calls += 1
-        if calls == 3:
-            raise RuntimeError("tokenizer broke")
-        return ascii_bytes(token)
-
-    engine = make_engine(model, token_bytes=flaky_token_bytes)
-    first = engine.add_request([1, 2, 3], GREEDY)
-    with pytest.raises(RuntimeError, match="tokenizer broke"):
-        run_to_completion(engine)
-    assert not engine.abort(first)
-    assert_no_leak(engine)
-    outputs = run_to_completion_with(engine, [1, 2, 3])
-    assert tokens_of(outputs) == naive_greedy(model, [1, 2, 3], 12)

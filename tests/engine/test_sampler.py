@@ -1,4 +1,5 @@
-"""The sampler: greedy, temperature, top-k, top-p, per-request seeds."""
+"""The sampler: greedy, temperature, top-k, top-p, per-request seeds; no NaN for any value
+the parameters accept, and a row that cannot be sampled fails alone."""
 
 from __future__ import annotations
 
@@ -7,15 +8,24 @@ import math
 import pytest
 import torch
 
-from sluice.engine.sampler import Sampler, filter_logits
-from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.sampler import NonFiniteLogitsError, Sampled, Sampler, filter_logits
+from sluice.engine.sampling_params import GREEDY_TEMPERATURE, MAX_TEMPERATURE, SamplingParams
+
+# The temperatures of the probe's attack, and values about the greedy threshold.
+TINY_TEMPERATURES = [5e-324, 1e-300, 1e-40, 1e-38, 1e-30, 1e-10, GREEDY_TEMPERATURE / 2]
+
+
+def tokens(results: list[Sampled | Exception]) -> list[int]:
+    assert all(isinstance(r, Sampled) for r in results), results
+    return [r.token_id for r in results if isinstance(r, Sampled)]
 
 
 def test_greedy_takes_the_argmax_and_reports_its_logprob() -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 0.0]])
-    tokens, logprobs = Sampler().sample(logits, [SamplingParams(temperature=0)] * 2, [1, 2])
-    assert tokens == [1, 0]
+    results = Sampler().sample(logits, [SamplingParams(temperature=0)] * 2, [1, 2])
+    assert tokens(results) == [1, 0]
     expected = torch.log_softmax(logits, dim=-1)
+    logprobs = [r.logprob for r in results if isinstance(r, Sampled)]
     assert logprobs == pytest.approx([float(expected[0, 1]), float(expected[1, 0])])
 
 
@@ -45,8 +55,8 @@ def test_a_seeded_request_draws_the_same_tokens_whatever_shares_its_batch() -> N
         for step in range(20):
             rows = [logits[step]] + [torch.randn(vocab) for _ in range(batch_with)]
             params = [seeded] + [SamplingParams(temperature=1.0)] * batch_with
-            tokens, _ = sampler.sample(torch.stack(rows), params, list(range(1 + batch_with)))
-            out.append(tokens[0])
+            results = sampler.sample(torch.stack(rows), params, list(range(1 + batch_with)))
+            out.append(tokens(results)[0])
         return out
 
     assert draws(0) == draws(5) == draws(2)
@@ -64,3 +74,71 @@ def test_temperature_sharpens_the_distribution() -> None:
 def test_shape_mismatch_is_refused() -> None:
     with pytest.raises(ValueError, match="one params per row"):
         Sampler().sample(torch.zeros(2, 3), [SamplingParams()], [1])
+
+
+@pytest.mark.parametrize("temperature", TINY_TEMPERATURES)
+def test_a_temperature_below_the_threshold_is_greedy(temperature: float) -> None:
+    assert SamplingParams(temperature=temperature).greedy
+    logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(1)) * 30
+    params = [SamplingParams(temperature=temperature, seed=3)] * 8
+    assert tokens(Sampler().sample(logits, params, list(range(8)))) == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize(
+    "temperature", [*TINY_TEMPERATURES, GREEDY_TEMPERATURE, 1e-4, 0.5, 2.0, MAX_TEMPERATURE]
+)
+@pytest.mark.parametrize("scale", [1.0, 1e4, 1e30])
+def test_filtered_logits_are_never_nan_for_any_accepted_temperature(
+    temperature: float, scale: float
+) -> None:
+    """Large logits (1e30) over a tiny temperature once overflowed to inf, then NaN."""
+    logits = torch.randn(200, generator=torch.Generator().manual_seed(2)) * scale
+    for top_k, top_p in [(0, 1.0), (1, 1.0), (5, 0.5), (0, 1e-300), (0, 5e-324), (300, 0.999)]:
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        filtered = filter_logits(logits, params)
+        assert not torch.isnan(filtered).any()
+        assert float(filtered.max()) == 0.0  # the most likely token is always kept
+        assert int(filtered.argmax()) == int(logits.argmax())
+
+
+@pytest.mark.parametrize("temperature", [GREEDY_TEMPERATURE, 1e-4])
+def test_sampling_just_above_the_threshold_draws_the_clear_favourite(temperature: float) -> None:
+    logits = torch.tensor([[0.0, 1.0, 0.5, -3.0]] * 16)
+    params = [SamplingParams(temperature=temperature, seed=i) for i in range(16)]
+    assert tokens(Sampler().sample(logits, params, list(range(16)))) == [1] * 16
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 5e-324, 1e-9])
+def test_a_tiny_top_p_keeps_the_most_likely_token(top_p: float) -> None:
+    """A top_p below float32's smallest value compares as 0: it once dropped every token."""
+    logits = torch.tensor([[0.0, 2.0, 1.0]] * 4)
+    params = [SamplingParams(temperature=1.0, top_p=top_p, seed=i) for i in range(4)]
+    assert tokens(Sampler().sample(logits, params, list(range(4)))) == [1] * 4
+
+
+def test_the_largest_temperature_draws_from_the_whole_vocabulary() -> None:
+    logits = torch.tensor([[10.0, 0.0, -10.0]] * 300)
+    params = [SamplingParams(temperature=MAX_TEMPERATURE, seed=i) for i in range(300)]
+    assert set(tokens(Sampler().sample(logits, params, list(range(300))))) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "all -inf"])
+def test_a_row_with_non_finite_logits_fails_alone(bad: float | str) -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0], [0.0, 1.0, 2.0], [5.0, 0.0, 0.0]])
+    if bad == "all -inf":
+        logits[1] = float("-inf")
+    else:
+        logits[1, 0] = bad
+    for temperature in (0.0, 1.0):
+        params = [SamplingParams(temperature=temperature, seed=1)] * 3
+        first, middle, last = Sampler().sample(logits, params, [1, 2, 3])
+        assert isinstance(middle, NonFiniteLogitsError)
+        assert str(middle) == "the model produced non-finite logits for this request"
+        assert tokens([first, last]) == [1, 0]
+
+
+def test_negative_infinity_for_some_tokens_is_no_fault() -> None:
+    logits = torch.tensor([[float("-inf"), 1.0, float("-inf")]])
+    for temperature in (0.0, 1.0, 1e-300):
+        params = [SamplingParams(temperature=temperature, seed=1)]
+        assert tokens(Sampler().sample(logits, params, [1])) == [1]

@@ -6,7 +6,7 @@ import torch
 
 from sluice.engine.models import GPT2Config, GPT2LMHeadModel
 
-__all__ = ["ascii_bytes", "varied_gpt2"]
+__all__ = ["ascii_bytes", "nan_at_position", "varied_gpt2"]
 
 
 def ascii_bytes(token: int) -> bytes:
@@ -24,4 +24,13 @@ def varied_gpt2(config: GPT2Config, seed: int = 0) -> GPT2LMHeadModel:
                 param.copy_(1 + 0.1 * torch.randn_like(param))
             else:
                 param.copy_(0.3 * torch.randn_like(param))
+    return model
+
+
+def nan_at_position(config: GPT2Config, position: int, seed: int = 0) -> GPT2LMHeadModel:
+    """:func:`varied_gpt2` with a NaN position embedding at ``position``: a sequence that
+    reaches it gets NaN logits (as from a broken checkpoint), shorter ones are untouched."""
+    model = varied_gpt2(config, seed)
+    with torch.no_grad():
+        model.transformer.wpe.weight[position] = float("nan")
     return model

@@ -3,7 +3,10 @@
 Each :class:`EngineGeneration` encodes its prompt (a chat's messages through the model's
 :class:`~sluice.backends.chat.ChatTemplate` first) and adds its request through an
 :class:`~sluice.engine.driver.AsyncEngine` in ``start()``, so admission errors surface
-before the stream's first event, translated at this boundary:
+before the stream's first event. A :class:`~sluice.backends.prompt.PromptPreparer` makes
+the token ids: an oversized prompt is refused before it is encoded, and large prompts are
+rendered and encoded on its worker threads, never on the event loop. Errors are translated
+at this boundary:
 
 - the scheduler's ``QueueFullError`` becomes :class:`~sluice.errors.CapacityError`
   (``retry_after_s=1``, reason ``queue_full``);
@@ -17,7 +20,9 @@ before the stream's first event, translated at this boundary:
 - ``ValueError`` (an empty or too long prompt, a bad ``max_tokens``) becomes
   :class:`~sluice.errors.BadRequestError`;
 - the driver's errors (a failed step, a stopped driver) become a retryable
-  :class:`~sluice.errors.BackendError`.
+  :class:`~sluice.errors.BackendError`; a request the engine failed alone
+  (:class:`~sluice.engine.driver.EngineRequestError`) a non-retryable one. Their messages
+  are the driver's, written for clients (no exception text of the engine's).
 
 Every engine output becomes one :class:`~sluice.backends.base.Delta`; its text (if any) is
 one :class:`~sluice.events.TextDelta`. ``abort()`` aborts the engine request and returns
@@ -34,12 +39,12 @@ import dataclasses
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Protocol
 
 from sluice.backends.admission import RetryAfterPacer, StepCostModel, TtftPredictor
 from sluice.backends.base import Delta, GenerationRequest, refuse_tools
 from sluice.backends.chat import SIMPLE_TEMPLATE, ChatTemplate
-from sluice.engine.driver import AsyncEngine, EngineDriverError, RequestStream
+from sluice.backends.prompt import PromptEncoder, PromptPreparer
+from sluice.engine.driver import AsyncEngine, EngineDriverError, EngineRequestError, RequestStream
 from sluice.engine.engine import Engine, RequestOutput
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import QueueFullError
@@ -61,12 +66,6 @@ _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 AbortObserver = Callable[[float], None]
 
 
-class PromptEncoder(Protocol):
-    """The part of a tokenizer the backend needs."""
-
-    def encode(self, text: str) -> list[int]: ...
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class Admission:
     """What the backend's generations share to decide admission: the predictor of their
@@ -86,15 +85,14 @@ class EngineGeneration:
     __slots__ = (
         "_aborted",
         "_admission",
-        "_chat",
         "_driver",
-        "_encoder",
         "_finished",
         "_latest",
         "_max_tokens",
         "_num_prompt_tokens",
         "_on_abort_freed",
         "_params",
+        "_prompts",
         "_request",
         "_started",
         "_stream",
@@ -104,8 +102,7 @@ class EngineGeneration:
     def __init__(
         self,
         driver: AsyncEngine,
-        encoder: PromptEncoder,
-        chat: ChatTemplate,
+        prompts: PromptPreparer,
         request: GenerationRequest,
         params: SamplingParams,
         max_tokens: int,
@@ -116,8 +113,7 @@ class EngineGeneration:
         self._on_abort_freed = on_abort_freed
         self._admission = admission
         self._tracked = False  # counted among the predictor's requests
-        self._encoder = encoder
-        self._chat = chat
+        self._prompts = prompts
         self._request = request
         self._params = params
         self._max_tokens = max_tokens
@@ -139,14 +135,13 @@ class EngineGeneration:
             return
         try:
             refuse_tools(self._request)  # a BadRequestError naming the field
-            prompt = self._request.prompt
-            if self._request.messages is not None:
-                prompt = self._chat.render(self._request.messages)
-            prompt_ids = self._encoder.encode(prompt)
-            self._num_prompt_tokens = len(prompt_ids)
             params = _request_params(self._params, self._request, self._max_tokens)
+            prompt_ids = await self._prompts.prompt_ids(self._request, self._max_tokens)
         except ValueError as exc:
             raise BadRequestError(str(exc)) from exc
+        if self._abort_requested():  # abort() ran while the prompt was being made
+            return
+        self._num_prompt_tokens = len(prompt_ids)
         self._admit()  # counts it in the predictor at once, so concurrent starts see it
         try:
             stream = await self._driver.add_request(prompt_ids, params)
@@ -237,7 +232,8 @@ class EngineGeneration:
                 yield Delta(events, reason, output.stop_sequence)
         except EngineDriverError as exc:
             self._finished = True  # the driver has already dropped the request
-            raise BackendError(str(exc), retryable=True) from exc
+            retryable = not isinstance(exc, EngineRequestError)
+            raise BackendError(str(exc), retryable=retryable) from exc
         finally:
             self._leave()
             if not self._finished:  # cancelled, aborted or abandoned: free the blocks
@@ -325,7 +321,8 @@ class EngineBackend:
         self._tokenizer = tokenizer
         self._default_max_tokens = default_max_tokens
         self._params = params or SamplingParams()
-        self._chat = chat_template or ChatTemplate(SIMPLE_TEMPLATE)
+        chat = chat_template or ChatTemplate(SIMPLE_TEMPLATE)
+        self._prompts = PromptPreparer(tokenizer, chat, driver.config.max_model_len)
         self.version = version  # the ``model_version`` metrics label
         # Off (None) by default: refusing on a prediction is an operator's choice.
         self.ttft_slo_s = ttft_slo_s
@@ -351,8 +348,7 @@ class EngineBackend:
         max_tokens = self._default_max_tokens if request.max_tokens is None else request.max_tokens
         return EngineGeneration(
             self._driver,
-            self._tokenizer,
-            self._chat,
+            self._prompts,
             request,
             self._params,
             max_tokens,
@@ -405,5 +401,5 @@ class EngineBackend:
         return stats
 
     async def aclose(self) -> None:
-        """Nothing to release: the driver belongs to whoever started it."""
-        return None
+        """Stop the prompt workers; the driver belongs to whoever started it."""
+        self._prompts.close()

@@ -13,10 +13,15 @@ so nothing polls. Results come back two ways:
   each into its request's :class:`RequestStream` queue.
 
 An abort is a command, so it is processed between steps: the request's KV blocks are free
-at the latest when the current step ends. A step that raises does not stop the thread: the
-engine has already aborted the batch's requests, and since its public API does not say
-which those were, every live stream is failed with :class:`EngineStepError` (and its
-request aborted) while the thread keeps serving new requests.
+at the latest when the current step ends. A request that the engine failed alone (an output
+with ``error``: its row could not be sampled or detokenized) ends its stream with
+:class:`EngineRequestError`; the other streams go on. A step that raises does not stop the
+thread: the engine has already aborted the batch's requests, and since its public API does
+not say which those were, every live stream is failed with :class:`EngineStepError` (and
+its request aborted) while the thread keeps serving new requests.
+
+Error messages are written for clients: an exception's text or ``repr`` never goes into
+one. The cause is chained (``__cause__``) and its traceback logged, for the operator.
 
 Bounds: the command queue holds at most one entry per caller coroutine plus aborts, and the
 engine bounds admission (``max_waiting``); a stream's queue holds at most ``max_tokens``
@@ -27,7 +32,8 @@ Errors::
     RuntimeError
      └── EngineDriverError
           ├── EngineClosedError   the driver is stopped (or stopped under a live stream)
-          └── EngineStepError     ``Engine.step`` raised; the cause is chained
+          ├── EngineStepError     ``Engine.step`` raised; the cause is chained
+          └── EngineRequestError  the engine failed this request alone (the others go on)
 """
 
 from __future__ import annotations
@@ -47,9 +53,11 @@ from sluice.engine.sampling_params import SamplingParams
 
 __all__ = [
     "DEFAULT_JOIN_TIMEOUT_S",
+    "STEP_FAILED_MESSAGE",
     "AsyncEngine",
     "EngineClosedError",
     "EngineDriverError",
+    "EngineRequestError",
     "EngineStepError",
     "RequestStream",
 ]
@@ -58,6 +66,8 @@ logger = logging.getLogger(__name__)
 
 # How long stopping waits for the engine thread to finish its current step and exit.
 DEFAULT_JOIN_TIMEOUT_S = 10.0
+# A failed step's message, for every request it failed; the cause goes to the log only.
+STEP_FAILED_MESSAGE = "the engine step failed; see the server log"
 
 T = TypeVar("T")
 
@@ -72,6 +82,11 @@ class EngineClosedError(EngineDriverError):
 
 class EngineStepError(EngineDriverError):
     """``Engine.step`` raised while the request was live; the cause is chained."""
+
+
+class EngineRequestError(EngineDriverError):
+    """The engine failed this request alone (its output's ``error``); the traceback is in
+    the server log. Retrying the same request would most likely fail the same way."""
 
 
 class _End:
@@ -296,7 +311,7 @@ class AsyncEngine:
                     self._step()
         except BaseException as exc:  # a bug in the driver: fail loudly, not silently
             logger.exception("engine thread failed")
-            self._shutdown(EngineDriverError(f"the engine thread failed: {exc!r}"))
+            self._shutdown(_chained(EngineDriverError("the engine thread failed"), exc))
             raise
         else:
             self._shutdown(None)
@@ -354,7 +369,10 @@ class AsyncEngine:
                 continue
             if output.finished:
                 del self._sinks[output.request_id]
-            items.append((sink, output))
+            if output.error is not None:  # the engine has aborted it, and logged why
+                items.append((sink, EngineRequestError(output.error)))
+            else:
+                items.append((sink, output))
         if items:
             self._deliver(items)
 
@@ -412,7 +430,7 @@ def _put_all(items: list[tuple[_Sink, _Item]]) -> None:
 
 
 def _step_error_factory(cause: BaseException) -> Callable[[], BaseException]:
-    return lambda: _chained(EngineStepError(f"the engine step failed: {cause!r}"), cause)
+    return lambda: _chained(EngineStepError(STEP_FAILED_MESSAGE), cause)
 
 
 def _chained(error: BaseException, cause: BaseException | None) -> BaseException:

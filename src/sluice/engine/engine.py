@@ -14,12 +14,18 @@ requests end with it:
   text is not emitted), or the released text reached a stop string (text up to it only);
 - ``"length"``: ``max_tokens`` completion tokens, or ``max_model_len`` tokens in all.
 
+Faults are contained where they happen. A request whose own row fails (its logits cannot be
+sampled, or detokenizing or checking its token raises) is aborted alone, its blocks freed in
+the same step, and gets one finished output with ``error`` set; the rest of the batch goes
+on. Only a fault of the whole step (the forward pass) aborts every request of the batch.
+
 Request ids are the scheduler's sequence ids. Nothing here runs on its own: the caller (a
 server loop) calls :meth:`Engine.step` while :meth:`Engine.has_unfinished_requests`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,14 +36,27 @@ import torch
 from sluice.engine.block_manager import BlockManager, BlockManagerStats
 from sluice.engine.detokenizer import IncrementalDetokenizer
 from sluice.engine.model_runner import ModelRunner, PagedModel
-from sluice.engine.sampler import Sampler
+from sluice.engine.sampler import Sampler, SamplingError
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from sluice.engine.sequence import Sequence
 
-__all__ = ["Engine", "EngineConfig", "FinishReason", "RequestOutput", "StepStats"]
+__all__ = [
+    "REQUEST_FAILED_MESSAGE",
+    "Engine",
+    "EngineConfig",
+    "FinishReason",
+    "RequestOutput",
+    "StepStats",
+]
+
+logger = logging.getLogger(__name__)
 
 FinishReason = Literal["stop", "length"]
+
+# What a request's client is told when its row failed for a reason the engine did not
+# foresee (a bug): the traceback goes to the server log, never to the client.
+REQUEST_FAILED_MESSAGE = "the engine failed while generating this request"
 
 
 @dataclass(frozen=True)
@@ -104,6 +123,10 @@ class RequestOutput:
     string comes later, or never). ``logprobs`` holds one logprob per new token when the
     request asked for them, else None. ``stop_sequence`` is the stop string that finished
     the request, when one did.
+
+    ``error`` is set when the engine failed this request alone (its row could not be
+    sampled, detokenized or checked): a message for its client, with ``finished`` true,
+    ``finish_reason`` None and no new tokens; the request is already aborted.
     """
 
     request_id: int
@@ -117,6 +140,7 @@ class RequestOutput:
     logprobs: tuple[float, ...] | None = None
     produced_at: float = 0.0  # time.monotonic() when its step sampled it
     stop_sequence: str | None = None
+    error: str | None = None
 
 
 class _Request:
@@ -202,16 +226,16 @@ class Engine:
         """
         if not prompt_token_ids:
             raise ValueError("the prompt needs at least one token")
+        num_total = len(prompt_token_ids) + params.max_tokens
+        if num_total > self.config.max_model_len:  # before the scan of a huge prompt's ids
+            raise ValueError(
+                f"prompt of {len(prompt_token_ids)} tokens plus max_tokens={params.max_tokens} "
+                f"exceeds max_model_len={self.config.max_model_len}"
+            )
         bad = [t for t in prompt_token_ids if not 0 <= t < self._vocab_size]
         if bad:
             raise ValueError(
                 f"token ids {bad[:8]} are outside the vocabulary [0, {self._vocab_size})"
-            )
-        num_total = len(prompt_token_ids) + params.max_tokens
-        if num_total > self.config.max_model_len:
-            raise ValueError(
-                f"prompt of {len(prompt_token_ids)} tokens plus max_tokens={params.max_tokens} "
-                f"exceeds max_model_len={self.config.max_model_len}"
             )
         request_id = self._next_request_id
         seq = Sequence(request_id, prompt_token_ids, self.config.block_size)
@@ -232,10 +256,11 @@ class Engine:
     # -- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; return an output for each request that sampled a token.
+        """Run one step; return an output for each request that sampled a token, and a
+        finished output with ``error`` for each request whose own row failed (aborted).
 
-        If the model or the sampler raises, every request in the batch is aborted (its
-        blocks freed) before the error propagates, so the engine stays usable.
+        If the model raises, every request in the batch is aborted (its blocks freed)
+        before the error propagates, so the engine stays usable.
         """
         started = time.perf_counter()
         batch = self.scheduler.schedule()
@@ -268,7 +293,7 @@ class Engine:
         if not request_ids:
             return {}, [], set()
         requests = [self._requests[request_id] for request_id in request_ids]
-        tokens, logprobs = self.sampler.sample(
+        results = self.sampler.sample(
             torch.stack([logits[request_id] for request_id in request_ids]),
             [request.params for request in requests],
             request_ids,
@@ -277,30 +302,56 @@ class Engine:
         sampled: dict[int, int] = {}
         outputs: list[RequestOutput] = []
         finished: set[int] = set()
-        for request, token, logprob in zip(requests, tokens, logprobs, strict=True):
+        for request, result in zip(requests, results, strict=True):
             seq = request.seq
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = seq.num_cached_tokens
-            sampled[seq.seq_id] = token
-            text, reason = self._check_finish(request, token)
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                text, reason = self._check_finish(request, result.token_id)
+            except Exception as exc:  # this request's fault alone: the batch goes on
+                outputs.append(self._fail(request, exc, produced_at))
+                continue
+            sampled[seq.seq_id] = result.token_id
             if reason is not None:
                 finished.add(seq.seq_id)
             outputs.append(
                 RequestOutput(
                     request_id=seq.seq_id,
                     new_text=text,
-                    new_token_ids=(token,),
+                    new_token_ids=(result.token_id,),
                     finished=reason is not None,
                     finish_reason=reason,
                     num_prompt_tokens=seq.num_prompt_tokens,
                     num_completion_tokens=seq.num_completion_tokens + 1,
                     num_cached_tokens=request.num_cached_tokens,
-                    logprobs=(logprob,) if request.params.logprobs else None,
+                    logprobs=(result.logprob,) if request.params.logprobs else None,
                     produced_at=produced_at,
                     stop_sequence=request.detokenizer.stop if reason == "stop" else None,
                 )
             )
         return sampled, outputs, finished
+
+    def _fail(self, request: _Request, exc: Exception, produced_at: float) -> RequestOutput:
+        """Abort one request whose row failed (between schedule and postprocess, which then
+        skips it) and make its last output; the traceback goes to the log."""
+        seq = request.seq
+        logger.error("request %d failed in the engine; aborted alone", seq.seq_id, exc_info=exc)
+        self.abort(seq.seq_id)
+        message = str(exc) if isinstance(exc, SamplingError) else REQUEST_FAILED_MESSAGE
+        return RequestOutput(
+            request_id=seq.seq_id,
+            new_text="",
+            new_token_ids=(),
+            finished=True,
+            finish_reason=None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_completion_tokens=seq.num_completion_tokens,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            produced_at=produced_at,
+            error=message,
+        )
 
     def _check_finish(self, request: _Request, token: int) -> tuple[str, FinishReason | None]:
         """The text ``token`` releases and why the request ends with it, if it does."""

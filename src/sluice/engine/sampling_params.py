@@ -5,17 +5,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["MAX_STOP_STRINGS", "SamplingParams"]
+__all__ = ["GREEDY_TEMPERATURE", "MAX_STOP_STRINGS", "MAX_TEMPERATURE", "SamplingParams"]
 
 # Stop strings are checked against held-back text on every token: keep the set small.
 MAX_STOP_STRINGS = 16
+
+# A temperature below this is greedy (argmax), 0 included: vLLM's rule (its _SAMPLING_EPS),
+# so a client moving between the two sees the same. At 1e-5 a logit gap of 1e-3 already
+# has odds of e**-100, so sampling could only differ from the argmax on an exact tie;
+# dividing by still smaller values (1e-300, 5e-324) is where float32 logits overflow.
+GREEDY_TEMPERATURE = 1e-5
+# The largest temperature accepted: past it the distribution is uniform in all but name.
+MAX_TEMPERATURE = 100.0
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` turn those filters
+    ``temperature`` below :data:`GREEDY_TEMPERATURE` (0 included) is greedy. ``top_k == 0`` and ``top_p == 1`` turn those filters
     off. ``seed`` makes one request's sampling reproducible whatever else is in the batch.
     """
 
@@ -32,8 +40,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not 0 <= self.temperature <= 100:
-            raise ValueError(f"temperature must be between 0 and 100, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {self.temperature}"
+            )
         if self.top_k < 0:
             raise ValueError(f"top_k must not be negative, got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -52,4 +62,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE

@@ -129,6 +129,10 @@ class DecodeBatch:
     rows: torch.Tensor  # packed index of each one's new token
     tables: torch.Tensor  # [num_decodes, max_blocks] block tables, padded with block 0
     mask: torch.Tensor  # [num_decodes, 1, 1, max_context]: key position < context_len
+    # [num_decodes, 1, max_context, 1]: the masked key slots, zeroed before attending. They
+    # hold stale KV (block 0, a last block's unwritten slots), maybe NaN from a request that
+    # failed, and a masked NaN still turns the whole output into NaN.
+    padding: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -168,7 +172,12 @@ class StepLayout:
         lengths = torch.tensor([seq.context_len for seq in decodes])
         mask = torch.arange(max_context)[None, :] < lengths[:, None]
         rows = torch.tensor([seq.start for seq in decodes])
-        batch = DecodeBatch(rows.to(device), tables.to(device), mask[:, None, None, :].to(device))
+        batch = DecodeBatch(
+            rows.to(device),
+            tables.to(device),
+            mask[:, None, None, :].to(device),
+            ~mask[:, None, :, None].to(device),
+        )
         return cls(seqs, positions, slots, batch, chunks)
 
 
@@ -190,6 +199,8 @@ def paged_attention(
         values = kv_cache.v[layer][decodes.tables].reshape(shape)[:, :max_context]
         keys = keys.transpose(1, 2).to(q.dtype)  # [num_decodes, kv_heads, context, dim]
         values = values.transpose(1, 2).to(q.dtype)
+        keys = keys.masked_fill(decodes.padding, 0)
+        values = values.masked_fill(decodes.padding, 0)
         if group > 1:
             keys = keys.repeat_interleave(group, dim=1)
             values = values.repeat_interleave(group, dim=1)
