@@ -672,6 +672,17 @@ def _is_loopback_address(host: str) -> bool:
         return False
 
 
+def inherited_listener(fd: int) -> socket.socket:
+    """The listening socket ``--fd`` names, as what it is.
+
+    uvicorn opens a descriptor as a Unix socket whatever it is, so the event loop never
+    sets ``TCP_NODELAY`` on its TCP connections, and Nagle's algorithm then holds each small
+    write for the client's delayed ACK (about 40 ms on Linux). A socket built from the
+    descriptor alone reads its own family.
+    """
+    return socket.socket(fileno=fd)
+
+
 def serve(args: argparse.Namespace) -> int:
     try:
         settings = _settings(args)
@@ -716,11 +727,11 @@ def serve(args: argparse.Namespace) -> int:
     if backends:
         settings = dataclasses.replace(settings, default_model=next(iter(backends)))
     app = create_app(settings, backends, resources, auth)
+    listener = None if args.fd is None else inherited_listener(args.fd)
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
-        fd=args.fd,
         loop="uvloop",
         http=SluiceHttpProtocol.for_server(native_sse=args.native_sse),
         ws="none",
@@ -738,7 +749,7 @@ def serve(args: argparse.Namespace) -> int:
     print(f"Sluice {__version__}: page at http://{args.host}:{args.port}/", flush=True)
     if auth_notice is not None:
         print(f"Sluice: {auth_notice}", flush=True)
-    _Server(config, app, args.drain_timeout).run()
+    _Server(config, app, args.drain_timeout).run(None if listener is None else [listener])
     # Every stream has ended, the engine thread has stopped and the logs are flushed: skip
     # the interpreter's teardown (seconds with torch loaded), so a supervisor sees the
     # exit as soon as the drain is over.
