@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sluice.errors import ConfigError
+from sluice.gateway.cors import parse_origin
+from sluice.gateway.hosts import parse_allowed_host
 
 __all__ = ["Settings"]
 
@@ -39,7 +41,14 @@ class Settings:
     max_url_bytes: int = 8 * 1024
     # Which model a request gets when it names none.
     default_model: str = "words"
-    cors_allow_origins: tuple[str, ...] = field(default=("*",))
+    # Web origins other than the server's own that may call it (``"*"``: any). ``None``:
+    # none while callers without a key are served, any when every caller needs a key
+    # (see sluice.gateway.cors).
+    cors_allow_origins: tuple[str, ...] | None = None
+    # Host names answered besides loopback ones (``".example.com"``: a domain and the
+    # names under it; ``"*"``: any). ``None``: loopback names only while callers without
+    # a key are served, any when every caller needs a key (see sluice.gateway.hosts).
+    allowed_hosts: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         positive = {
@@ -70,3 +79,7 @@ class Settings:
         for name, value in non_negative.items():
             if value < 0:
                 raise ConfigError(f"{name} must not be negative, got {value!r}")
+        for origin in self.cors_allow_origins or ():
+            parse_origin(origin)
+        for host in self.allowed_hosts or ():
+            parse_allowed_host(host)

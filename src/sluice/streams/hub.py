@@ -44,6 +44,7 @@ from sluice.errors import (
     BackendError,
     BadRequestError,
     CapacityError,
+    ResumeGapError,
     StreamNotFoundError,
     TenantLimitError,
     UnknownModelError,
@@ -333,7 +334,11 @@ class StreamHub:
         backend that refused the work (see ``Generation.start``)."""
         loop = asyncio.get_running_loop()
         while True:
-            batch = self._log.read(stream_id, 0, 1)
+            try:
+                batch = self._log.read(stream_id, 0, 1)
+            except ResumeGapError:  # more events than the log holds: it began (a refusal is one)
+                stream = self.get(stream_id)
+                return Started(model=stream.model, created=int(stream.created))
             if batch.events:
                 return batch.events[0]
             arrived: asyncio.Future[None] = loop.create_future()
