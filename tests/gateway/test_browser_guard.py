@@ -40,7 +40,8 @@ def _preflight(base_url: str, path: str, origin: str, headers: str = "") -> http
 
 def _finished_stream(server: ServerProcess) -> dict[str, str]:
     response = httpx.post(
-        f"{server.base_url}/v1/streams", json={"prompt": "a b c", "interval_ms": 0}
+        f"{server.base_url}/v1/streams",
+        json={"model": "words", "prompt": "a b c", "interval_ms": 0},
     )
     assert response.status_code == 201, response.text
     created: dict[str, str] = response.json()
@@ -53,7 +54,7 @@ def test_an_anonymous_server_answers_other_origins_without_cors_and_refuses_pref
 ) -> None:
     created = httpx.post(
         f"{server.base_url}/v1/streams",
-        json={"prompt": "a b", "interval_ms": 0},
+        json={"model": "words", "prompt": "a b", "interval_ms": 0},
         headers={"Origin": EVIL},
     )
     assert created.status_code == 201  # a script on EVIL could not read it
