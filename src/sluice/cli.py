@@ -322,7 +322,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         metavar="ORIGIN",
-        help="browser origin allowed to call the API (repeatable; default: any origin)",
+        help="web origin (scheme://host[:port], or '*' for any) other than the server's own "
+        "that may call the API from a browser (repeatable; default: none while callers "
+        "without a key are served, any origin when every caller needs a key)",
+    )
+    serve.add_argument(
+        "--allowed-host",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="a Host name answered besides loopback ones, for a proxy that passes on its own "
+        "(repeatable; .example.com: the domain and the names under it; '*': any); default "
+        "on loopback: loopback names only while callers without a key are served (DNS "
+        "rebinding), any with keys; on another address: any (name the ones clients use to "
+        "refuse DNS-rebound pages there too)",
     )
     serve.add_argument(
         "--auth-config",
@@ -458,7 +471,8 @@ def _settings(args: argparse.Namespace) -> Settings:
         max_streams=args.max_streams,
         max_prompt_chars=args.max_prompt_chars,
         max_log_records=args.max_log_events,
-        cors_allow_origins=tuple(args.cors_origin or ("*",)),
+        cors_allow_origins=None if args.cors_origin is None else tuple(args.cors_origin),
+        allowed_hosts=_allowed_hosts(args),
         max_streams_per_tenant=args.max_streams_per_tenant,
         log_budget_bytes=args.log_memory_budget,
         max_log_bytes_per_tenant=args.max_log_bytes_per_tenant,
@@ -470,6 +484,16 @@ def _settings(args: argparse.Namespace) -> Settings:
         head_timeout_s=args.head_timeout,
         body_timeout_s=args.body_timeout,
     )
+
+
+def _allowed_hosts(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """``--allowed-host``; without it, the app's default on loopback (see
+    :mod:`sluice.gateway.hosts`), and any name on another address: the names clients use
+    there are not known (``0.0.0.0``), and without keys the operator chose to serve
+    whoever connects (``--allow-anonymous``); naming them refuses DNS-rebound pages too."""
+    if args.allowed_host is not None:
+        return tuple(args.allowed_host)
+    return None if _on_loopback(args) else ("*",)
 
 
 class _Server(uvicorn.Server):

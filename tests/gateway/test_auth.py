@@ -305,6 +305,39 @@ def test_an_endless_header_line_is_cut_off_while_it_arrives() -> None:
         assert answer.startswith(b"HTTP/1.1 431 "), answer[:100]
 
 
+def test_with_every_caller_keyed_any_origin_may_call_and_any_host_is_served(
+    keyed: ServerProcess,
+) -> None:
+    """A page on another origin holds no key, and a rebound one neither: CORS is open to
+    every origin by default and ``Host`` is not restricted."""
+    origin = "http://elsewhere.example"
+    preflight = httpx.options(
+        f"{keyed.base_url}/v1/chat/completions",
+        headers={
+            "Origin": origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os",
+        },
+    )
+    assert preflight.status_code == 204
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    assert preflight.headers["access-control-allow-headers"] == (
+        "authorization, content-type, x-stainless-os"
+    )
+    somewhere = {"Origin": origin, "Host": "sluice.somewhere.example"}
+    created = httpx.post(
+        f"{keyed.base_url}/v1/streams",
+        json={"prompt": "a b", "interval_ms": 0},
+        headers={**bearer(KEY_A), **somewhere},
+    )
+    assert created.status_code == 201
+    events = httpx.get(f"{keyed.base_url}{created.json()['events_url']}", headers=somewhere)
+    assert events.status_code == 200
+    assert "".join(tokens_of(events.content)) == "a b"
+    for response in (created, events):
+        assert response.headers["access-control-allow-origin"] == "*"
+
+
 # ---------------------------------------------------------------------- start-up
 
 

@@ -130,3 +130,45 @@ def test_the_query_token_wins_over_the_header() -> None:
     assert presented_token(headers, "from-query") == "from-query"
     assert presented_token(headers, None) == "from-header"
     assert presented_token([], "") is None
+
+
+class _CountingTokens(ResumeTokens):
+    """Resume tokens that count the MACs they compute (the work a check costs)."""
+
+    __slots__ = ("num_macs",)
+
+    def __init__(self, secret: bytes) -> None:
+        super().__init__(secret)
+        self.num_macs = 0
+
+    def _mac(self, stream_id: str, expires: int) -> str:
+        self.num_macs += 1
+        return super()._mac(stream_id, expires)
+
+
+def test_an_unknown_id_costs_the_same_checks_as_another_tenants_stream() -> None:
+    """With a token, the refusal of an unknown id and of a foreign one both compute the
+    token's MAC, so their timing does not say which ids exist."""
+    tokens = _CountingTokens(SECRET)
+    auth = Auth(parse_key_list("a:k1,b:k2"), allow_anonymous=False, tokens=tokens)
+    foreign = stream("str_foreign", tenant="a")
+    streams = {foreign.id: foreign}
+
+    def lookup(stream_id: str) -> Stream:
+        if stream_id not in streams:
+            raise StreamNotFoundError(stream_id)
+        return streams[stream_id]
+
+    wrong_token = tokens.mint("str_somewhere_else")
+    answers = []
+    for stream_id in ("str_foreign", "str_unknown"):
+        tokens.num_macs = 0
+        with pytest.raises(StreamNotFoundError) as refused:
+            auth.find(lookup, stream_id, Caller("b", wrong_token))
+        answers.append((tokens.num_macs, str(refused.value).replace(stream_id, "ID")))
+    assert answers[0] == answers[1] == (1, str(StreamNotFoundError("ID")))
+    # A valid token for an id that no longer exists opens nothing either.
+    with pytest.raises(StreamNotFoundError):
+        auth.find(lookup, "str_gone", Caller(None, tokens.mint("str_gone")))
+    assert auth.find(lookup, "str_foreign", Caller("a")) is foreign
+    assert auth.find(lookup, "str_foreign", Caller("b", tokens.mint("str_foreign"))) is foreign

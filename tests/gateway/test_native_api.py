@@ -192,19 +192,44 @@ def test_last_event_id_must_name_the_stream_in_the_path_and_not_run_ahead(
     assert ahead.status_code == 400
 
 
-def test_cors_preflight_allows_last_event_id(server: ServerProcess) -> None:
-    response = httpx.options(
-        f"{server.base_url}/v1/streams",
-        headers={
-            "Origin": "http://example.test",
-            "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "last-event-id, content-type",
-        },
-    )
-    assert response.status_code == 200
-    allowed = response.headers["access-control-allow-headers"].lower()
-    assert "last-event-id" in allowed
-    assert "content-type" in allowed
+@pytest.mark.parametrize("method", ["TRACE", "DELETE", "PUT"])
+def test_unsupported_methods_are_405_naming_the_methods_the_path_serves(
+    server: ServerProcess, method: str
+) -> None:
+    created = create(server, prompt="a b", interval_ms=0)
+    allowed = {
+        "/healthz": "GET, HEAD",
+        "/v1/models": "GET, HEAD",
+        "/v1/models/words": "GET, HEAD",
+        "/v1/streams": "POST",
+        f"/v1/streams/{created['id']}": "GET, HEAD",
+        f"/v1/streams/{created['id']}/cancel": "POST",
+        f"/v1/streams/{created['id']}/events": "GET",  # the SSE paths, fast or not
+        "/v1/demo/words": "GET",
+        "/v1/chat/completions": "POST",
+    }
+    for path, methods in allowed.items():
+        response = httpx.request(method, f"{server.base_url}{path}")
+        assert response.status_code == 405, path
+        assert response.headers["allow"] == methods, path
+        assert response.json()["error"]["code"] == "method_not_allowed"
+    anthropic = httpx.request(method, f"{server.base_url}/v1/messages")
+    assert anthropic.status_code == 405
+    assert anthropic.headers["allow"] == "POST"
+    assert anthropic.json()["type"] == "error"
+
+
+def test_unknown_paths_under_an_api_answer_in_its_error_shape(server: ServerProcess) -> None:
+    for path in ("/v1/messages/count_tokens", "/v1/messages/batches/x"):
+        response = httpx.post(f"{server.base_url}{path}", json={})
+        assert response.status_code == 404
+        assert response.json() == {
+            "type": "error",
+            "error": {"type": "not_found_error", "message": "Not Found"},
+        }
+    native = httpx.get(f"{server.base_url}/v1/nowhere")
+    assert native.status_code == 404
+    assert native.json()["error"]["code"] == "not_found"
 
 
 def test_models_health_and_page(server: ServerProcess) -> None:

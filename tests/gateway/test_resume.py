@@ -9,6 +9,7 @@ from urllib.parse import quote
 import httpx
 import orjson
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from sluice.sse import Decoder, Event
 from tests.rawhttp import open_get
@@ -105,25 +106,104 @@ def test_reconnect_after_the_terminal_event_gets_204(server: ServerProcess) -> N
         assert response.content == b""
 
 
-def test_resume_from_a_dropped_position_gets_an_in_band_resume_gap() -> None:
-    with ServerProcess("--no-model", "--max-log-events", "20", "--retry", "200") as small:
-        text = " ".join(f"w{i}" for i in range(100))
-        # Paced so the live reader keeps up with a 20-event log; the retained tail is what
-        # a late reconnect can still get.
-        events, _, _ = read_events(
-            small, "/v1/demo/words?text=" + quote(text) + "&interval_ms=1", None, None
-        )
-        assert events[-1].event == "done"
-        stream_id = events[-1].id.split(":")[0]
-        gap, ended, status = read_events(
-            small, f"/v1/streams/{stream_id}/events", f"{stream_id}:3", None
-        )
-        assert status == 200
-        assert ended
-        assert [e.event for e in gap] == ["error"]
-        error = orjson.loads(gap[0].data)
+def _counter(server: ServerProcess, name: str) -> float:
+    for family in text_string_to_metric_families(httpx.get(f"{server.base_url}/metrics").text):
+        for sample in family.samples:
+            if sample.name == name:
+                return float(sample.value)
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def small() -> Iterator[ServerProcess]:
+    """A server whose logs keep 20 events."""
+    with ServerProcess("--no-model", "--max-log-events", "20", "--retry", "200") as server:
+        yield server.wait_ready()
+
+
+def test_reads_from_a_dropped_position_are_410_gone_and_counted_as_resume_gaps(
+    small: ServerProcess,
+) -> None:
+    text = " ".join(f"w{i}" for i in range(100))
+    # Paced so the live reader keeps up with a 20-event log; the retained tail is what
+    # a late reconnect can still get.
+    events, _, _ = read_events(
+        small, "/v1/demo/words?text=" + quote(text) + "&interval_ms=1", None, None
+    )
+    assert events[-1].event == "done"
+    stream_id = events[-1].id.split(":")[0]
+    gaps = _counter(small, "sluice_resume_gaps_total")
+    # A resume after event 3, and a fresh read (the first events are gone too), on the
+    # events URL and on the demo URL: refused before the response starts, for good.
+    refused = [
+        httpx.get(f"{small.base_url}/v1/streams/{stream_id}/events?last_event_id={stream_id}:3"),
+        httpx.get(f"{small.base_url}/v1/streams/{stream_id}/events"),
+        httpx.get(
+            f"{small.base_url}/v1/demo/words?text=x", headers={"Last-Event-ID": f"{stream_id}:3"}
+        ),
+    ]
+    for response in refused:
+        assert response.status_code == 410, response.request.url
+        error = response.json()["error"]
         assert error["code"] == "resume_gap"
-        assert "cannot resume after event 3" in error["message"]
-        # A position still retained replays normally.
-        tail, _, _ = read_events(small, f"/v1/streams/{stream_id}/events", events[-5].id, None)
-        assert tail == events[-4:]
+        assert "the oldest retained event is" in error["message"]
+    assert "cannot resume after event 3" in refused[0].json()["error"]["message"]
+    assert _counter(small, "sluice_resume_gaps_total") == gaps + len(refused)
+    # A position still retained replays normally.
+    tail, _, _ = read_events(small, f"/v1/streams/{stream_id}/events", events[-5].id, None)
+    assert tail == events[-4:]
+
+
+def test_a_stream_that_outruns_the_log_before_its_creation_is_answered_is_created(
+    small: ServerProcess,
+) -> None:
+    """The create waits for the stream's first event to tell a start from a refusal; when
+    the log has already dropped it, the stream started."""
+    text = " ".join(f"w{i}" for i in range(100))
+    for _ in range(3):
+        response = httpx.post(
+            f"{small.base_url}/v1/streams", json={"prompt": text, "interval_ms": 0}
+        )
+        assert response.status_code == 201, response.text
+
+
+def test_a_reader_behind_the_log_gets_an_in_band_gap_that_names_its_position(
+    small: ServerProcess,
+) -> None:
+    """Unpaced, the first burst (64 words) lands in one append, past the 20-event log: the
+    reader's next read finds its position gone after the response started. The event's id
+    is that position, so EventSource's reconnect names it and gets the ``410``."""
+    text = " ".join(f"w{i}" for i in range(100))
+    events, ended, status = read_events(
+        small, "/v1/demo/words?text=" + quote(text) + "&interval_ms=0", None, None
+    )
+    assert (status, ended) == (200, True)
+    gap = events[-1]
+    assert gap.event == "error"
+    assert orjson.loads(gap.data)["code"] == "resume_gap"
+    stream_id, _, position = gap.id.partition(":")
+    delivered = [event for event in events[:-1] if event.id]
+    assert position == (delivered[-1].id.partition(":")[2] if delivered else "0")
+    again = httpx.get(
+        f"{small.base_url}/v1/demo/words?text=" + quote(text), headers={"Last-Event-ID": gap.id}
+    )
+    assert again.status_code == 410
+    assert stream_id in again.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["events", "demo"])
+def test_an_empty_last_event_id_header_leaves_the_query_to_name_the_position(
+    server: ServerProcess, path: str
+) -> None:
+    whole, _, _ = read_events(server, "/v1/demo/words?text=a%20b%20c%20d&interval_ms=0", None, None)
+    stream_id = whole[-1].id.split(":")[0]
+    target = f"/v1/streams/{stream_id}/events" if path == "events" else "/v1/demo/words?text=other"
+    separator = "&" if "?" in target else "?"
+    response = open_get(
+        server.port, f"{target}{separator}last_event_id={whole[2].id}", {"Last-Event-ID": ""}
+    )
+    assert response.status == 200
+    decoder = Decoder()
+    resumed = [event for piece in response.body() for event in decoder.feed(piece)]
+    response.close()
+    assert resumed == whole[3:]

@@ -51,7 +51,7 @@ def test_sse_headers_are_exact_and_hop_by_hop_free(server: ServerProcess) -> Non
     assert response.header("content-type") == "text/event-stream; charset=utf-8"
     assert response.header("cache-control") == "no-cache"
     assert response.header("x-accel-buffering") == "no"
-    assert response.header("access-control-allow-origin") == "*"
+    assert response.header("access-control-allow-origin") is None  # anonymous: same-origin
     assert response.header("connection") is None
     assert response.header("content-encoding") is None
     assert response.header("content-length") is None

@@ -18,14 +18,11 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, Page, Route, sync_playwright
+from playwright.sync_api import Browser, Page, Route
 
 from tests.server import ServerProcess
 
 pytestmark = pytest.mark.browser
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 
 # Deadline for any single wait on the page, in milliseconds (generous: CI machines are busy).
 WAIT_MS = 30_000
@@ -47,16 +44,6 @@ LONG_TEXT = " ".join(f"word{i:02d}" for i in range(60)) + "\nThe end."
 
 def _words(text: str) -> int:
     return len(text.split())
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS
-        )
-        yield browser
-        browser.close()
 
 
 @pytest.fixture

@@ -101,7 +101,10 @@ def frame(event: NeutralEvent, event_id: str) -> bytes:
     return encode_event(data, event=name, id=event_id)
 
 
-def error_frame(code: str, message: str, *, retryable: bool = False) -> bytes:
-    """An ``error`` frame outside the log (no id): for refusals such as ``resume_gap``."""
+def error_frame(
+    code: str, message: str, *, retryable: bool = False, event_id: str | None = None
+) -> bytes:
+    """An ``error`` frame outside the log: for refusals such as ``resume_gap`` (with the
+    id of the reader's position, so that a reconnect names it and is refused for good)."""
     name, data = render(Error(type=code, message=message, retryable=retryable))
-    return encode_event(data, event=name)
+    return encode_event(data, event=name, id=event_id)

@@ -1,8 +1,15 @@
 """``create_app(settings)``: the whole ASGI application.
 
-The SSE reads (``GET /v1/streams/{id}/events``, ``GET /v1/demo/words``) are dispatched
-straight to :class:`~sluice.gateway.streaming.EventStreams`; everything else goes through a
-small Starlette app (routing, CORS preflight, the lifespan that runs the hub).
+Every HTTP request is first checked for its head's bounds and its ``Host``
+(:mod:`sluice.gateway.hosts`); CORS preflights are answered next, for every path
+(:mod:`sluice.gateway.cors`). The SSE reads (``GET /v1/streams/{id}/events``,
+``GET /v1/demo/words``) are then dispatched straight to
+:class:`~sluice.gateway.streaming.EventStreams`; everything else goes through a small
+Starlette app (routing, CORS headers, the lifespan that runs the hub).
+
+Errors raised before a route is chosen are answered in the native (OpenAI-like) shape;
+unknown paths and methods get the shape of the API they are under (Anthropic's under
+``/v1/messages``), and a ``405`` names the methods the path serves in ``Allow``.
 """
 
 from __future__ import annotations
@@ -16,17 +23,19 @@ from typing import Protocol, runtime_checkable
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from sluice.backends.base import Backend
 from sluice.backends.words import WordsBackend
+from sluice.dialects import anthropic
 from sluice.errors import SluiceError
 from sluice.gateway.auth import Auth
 from sluice.gateway.compat import CompatAPI
+from sluice.gateway.cors import CorsMiddleware, CorsPolicy
 from sluice.gateway.errors import error_response, response_for
+from sluice.gateway.hosts import HostPolicy
 from sluice.gateway.limits import check_head
 from sluice.gateway.openapi import openapi_endpoint
 from sluice.gateway.routes import NativeApi
@@ -71,7 +80,12 @@ class SluiceApp:
                 backend.set_abort_observer(functools.partial(self.metrics.abort_freed, name))
         self.hub = StreamHub(log, backends, hub_settings, observer=self.metrics)
         self.metrics.log_bytes.set_function(lambda: self.hub.memory.num_bytes)
-        self.streams = EventStreams(self.hub, settings, self.metrics, self.auth)
+        keyless = self.auth.allow_anonymous
+        self.cors = CorsPolicy.by_mode(settings.cors_allow_origins, keyless_callers=keyless)
+        self.hosts = HostPolicy.by_mode(settings.allowed_hosts, keyless_callers=keyless)
+        self.streams = EventStreams(
+            self.hub, settings, self.metrics, self.auth, cors=self.cors, hosts=self.hosts
+        )
         page = package_data.files("sluice.web").joinpath("index.html").read_text("utf-8")
         api = NativeApi(self.hub, settings, page, self.metrics, self.auth)
         compat = CompatAPI(self.hub, settings, self.streams.options, self.metrics, self.auth)
@@ -83,33 +97,16 @@ class SluiceApp:
                 Route("/metrics", api.metrics, methods=["GET"]),
                 Route("/openapi.json", openapi_endpoint(settings), methods=["GET"]),
                 Route("/v1/models", api.models, methods=["GET"]),
+                Route("/v1/models/{model_id:path}", api.model, methods=["GET"]),
                 Route("/v1/streams", api.create_stream, methods=["POST"]),
                 Route("/v1/streams/{stream_id}", api.get_stream, methods=["GET"]),
                 Route("/v1/streams/{stream_id}/cancel", api.cancel_stream, methods=["POST"]),
                 Route("/v1/streams/{stream_id}/drop", api.drop_connections, methods=["POST"]),
-                Route("/v1/streams/{stream_id}/events", _method_not_allowed, methods=["GET"]),
-                Route("/v1/demo/words", _method_not_allowed, methods=["GET"]),
                 Route("/v1/chat/completions", compat.chat_completions, methods=["POST"]),
                 Route("/v1/completions", compat.completions, methods=["POST"]),
                 Route("/v1/messages", compat.messages, methods=["POST"]),
             ],
-            middleware=[
-                Middleware(
-                    CORSMiddleware,
-                    allow_origins=list(settings.cors_allow_origins),
-                    allow_methods=["GET", "POST", "OPTIONS"],
-                    allow_headers=[
-                        "Last-Event-ID",
-                        "Content-Type",
-                        "Authorization",
-                        "X-Sluice-Resumable",
-                        "X-API-Key",
-                        "Anthropic-Version",
-                    ],
-                    expose_headers=["X-Sluice-Stream-Id", "X-Sluice-Resume-Token"],
-                    max_age=600,
-                ),
-            ],
+            middleware=[Middleware(CorsMiddleware, policy=self.cors)],
             exception_handlers={HTTPException: _http_error},
             lifespan=self._lifespan,
         )
@@ -130,24 +127,41 @@ class SluiceApp:
         if scope["type"] == "http":
             try:
                 check_head(scope, self.settings)
+                self.hosts.check(scope)
             except SluiceError as exc:
                 await response_for(exc)(scope, receive, send)
                 return
-            if EventStreams.handles(scope["method"], scope["path"]):
-                await self.streams(scope, receive, send)
+            if self.cors.is_preflight(scope):
+                await self.cors.preflight(scope, receive, send)
+                return
+            if EventStreams.serves_path(scope["path"]):
+                if scope["method"] == "GET":
+                    await self.streams(scope, receive, send)
+                else:
+                    allow = {"Allow": "GET"}
+                    response = error_response(405, "method_not_allowed", "use GET", headers=allow)
+                    await CorsMiddleware(response, self.cors)(scope, receive, send)
                 return
         await self._framework(scope, receive, send)
 
 
-async def _method_not_allowed(request: Request) -> Response:  # pragma: no cover - GETs go fast
-    return error_response(405, "method_not_allowed", "use GET")
+# The API whose error shape unknown paths under it get (the others: the native shape).
+_ANTHROPIC_PREFIX = "/v1/messages"
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
+    """A routing error (404, 405 with ``Allow``) in the shape of the API the path is under."""
     status = exc.status_code if isinstance(exc, HTTPException) else 500
     detail = exc.detail if isinstance(exc, HTTPException) else "internal server error"
+    headers = dict(exc.headers or {}) if isinstance(exc, HTTPException) else {}
+    if "Allow" in headers:  # Starlette lists a set: one order, whatever the hash seed
+        headers["Allow"] = ", ".join(sorted(headers["Allow"].split(", ")))
+    path: str = request.scope["path"]
+    if path == _ANTHROPIC_PREFIX or path.startswith(_ANTHROPIC_PREFIX + "/"):
+        body = anthropic.error_body(str(detail), type=anthropic.error_type_for_status(status))
+        return JSONResponse(body, status_code=status, headers=headers or None)
     code = {404: "not_found", 405: "method_not_allowed"}.get(status, "http_error")
-    return error_response(status, code, str(detail))
+    return error_response(status, code, str(detail), headers=headers or None)
 
 
 def create_app(

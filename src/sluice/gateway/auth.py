@@ -16,7 +16,9 @@
 
 A stream that the caller may not touch is answered exactly like a stream that does not
 exist (:class:`~sluice.errors.StreamNotFoundError`), so ids of other tenants' streams
-cannot be probed.
+cannot be probed: :meth:`Auth.find` does the same work for an unknown id as for another
+tenant's (the tenant comparison and the token's MAC), so the time of the answer does not
+tell them apart either.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import re
 import secrets
 import time
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -274,11 +276,34 @@ class Auth:
 
     def check(self, stream: Stream, caller: Caller) -> Stream:
         """``stream`` if ``caller`` may touch it; else the very error an unknown id gets."""
-        if caller.tenant is not None and hmac.compare_digest(caller.tenant, stream.tenant):
-            return stream
-        if caller.token is not None and self.tokens.valid(caller.token, stream.id):
+        if self._grants(stream.id, stream.tenant, caller):
             return stream
         raise StreamNotFoundError(stream.id)
+
+    def find(self, lookup: Callable[[str], Stream], stream_id: str, caller: Caller) -> Stream:
+        """The stream ``lookup`` (raising :class:`StreamNotFoundError`) gives for
+        ``stream_id``, if ``caller`` may touch it.
+
+        An unknown id is checked as though it belonged to nobody (``caller``'s tenant and
+        token are compared all the same), so it is refused after the same work as another
+        tenant's stream: only the stream's existence differs, and it is not observable.
+        """
+        try:
+            stream = lookup(stream_id)
+        except StreamNotFoundError:
+            self._grants(stream_id, None, caller)  # the work a foreign stream costs
+            raise
+        return self.check(stream, caller)
+
+    def _grants(self, stream_id: str, owner: str | None, caller: Caller) -> bool:
+        """Whether ``caller`` may touch the stream ``stream_id`` of tenant ``owner``
+        (``None``: an unknown stream, which nobody may touch)."""
+        known = owner is not None
+        tenant = caller.tenant
+        if tenant is not None and hmac.compare_digest(tenant, owner or tenant) and known:
+            return True
+        token = caller.token
+        return token is not None and self.tokens.valid(token, stream_id) and known
 
 
 def _presented_key(headers: Sequence[tuple[bytes, bytes]]) -> str | None:

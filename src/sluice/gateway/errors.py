@@ -14,6 +14,7 @@ from sluice.errors import (
     BadEventIdError,
     BadRequestError,
     CapacityError,
+    ResumeGapError,
     SluiceError,
     StreamNotFoundError,
     TenantLimitError,
@@ -22,12 +23,15 @@ from sluice.errors import (
 from sluice.events import Error
 
 __all__ = [
+    "JSON_MEDIA_TYPE",
     "REFUSAL_STATUS",
     "WWW_AUTHENTICATE",
     "AuthenticationError",
     "ErrorAnswer",
     "HeadersTooLargeError",
+    "MisdirectedRequestError",
     "PayloadTooLargeError",
+    "UnsupportedMediaTypeError",
     "UrlTooLongError",
     "answer_for",
     "error_response",
@@ -40,6 +44,9 @@ __all__ = [
 # the HTTP status its creation is answered with.
 REFUSAL_STATUS = {"overloaded": 503, "invalid_request": 400, "backend_error": 502}
 
+
+# The media type of every request body the API reads (RFC 8259).
+JSON_MEDIA_TYPE = "application/json"
 
 # What a 401 says about how to authenticate (RFC 6750 section 3).
 WWW_AUTHENTICATE = 'Bearer realm="sluice"'
@@ -55,6 +62,14 @@ class HeadersTooLargeError(BadRequestError):
 
 class UrlTooLongError(BadRequestError):
     """A request target over the configured bound (414)."""
+
+
+class UnsupportedMediaTypeError(BadRequestError):
+    """A request body that is not declared JSON (415)."""
+
+
+class MisdirectedRequestError(BadRequestError):
+    """A ``Host`` the server does not answer for (421; see :mod:`sluice.gateway.hosts`)."""
 
 
 class AuthenticationError(SluiceError):
@@ -104,6 +119,12 @@ def answer_for(exc: SluiceError) -> ErrorAnswer:
         return ErrorAnswer(431, "headers_too_large", message)
     if isinstance(exc, UrlTooLongError):
         return ErrorAnswer(414, "url_too_long", message)
+    if isinstance(exc, UnsupportedMediaTypeError):
+        return ErrorAnswer(415, "unsupported_media_type", message, {"Accept": JSON_MEDIA_TYPE})
+    if isinstance(exc, MisdirectedRequestError):
+        return ErrorAnswer(421, "misdirected_request", message)
+    if isinstance(exc, ResumeGapError):
+        return ErrorAnswer(410, "resume_gap", message)
     if isinstance(exc, BadEventIdError):
         return ErrorAnswer(400, "bad_event_id", message)
     if isinstance(exc, BadRequestError):

@@ -78,7 +78,7 @@ def _error(description: str, schema: str, *, headers: JSON | None = None) -> JSO
 def _errors(schema: str, statuses: Iterable[int]) -> dict[str, JSON]:
     """The error responses of a route, in ``schema``'s shape.
 
-    414 and 431 are answered before routing, so always in the native shape.
+    414, 421 and 431 are answered before routing, so always in the native shape.
     """
     descriptions = {
         400: (
@@ -87,8 +87,17 @@ def _errors(schema: str, statuses: Iterable[int]) -> dict[str, JSON]:
         ),
         401: "missing or wrong API key",
         404: "unknown stream (or another tenant's, or a forged or expired token) or model",
+        410: (
+            "resume_gap: the log no longer holds the position asked for (a fresh read"
+            " included, when the first events are gone); EventSource stops for good"
+        ),
         413: "request body over 1 MiB",
         414: "request target over 8 KiB",
+        415: "the body is not declared JSON (application/json or +json, UTF-8)",
+        421: (
+            "a Host this server does not answer for (while it serves callers without a"
+            " key: loopback names and --allowed-host ones)"
+        ),
         429: "the tenant holds its maximum number of streams",
         431: "request header lines over 16 KiB in all",
         502: "the backend failed before the stream started",
@@ -101,9 +110,15 @@ def _errors(schema: str, statuses: Iterable[int]) -> dict[str, JSON]:
             headers = {"WWW-Authenticate": _header("how to authenticate", required=True)}
         elif status in (429, 503):
             headers = {"Retry-After": _RETRY_AFTER}
-        shape = "Error" if status in (414, 431) else schema
+        elif status == 415:
+            headers = {"Accept": _header("the media type to send", required=True)}
+        shape = "Error" if status in _BEFORE_ROUTING else schema
         responses[str(status)] = _error(descriptions[status], shape, headers=headers)
     return responses
+
+
+# Answered before a route is chosen (the head's bounds, the Host), for every route.
+_BEFORE_ROUTING = (414, 421, 431)
 
 
 def _param(where: str, name: str, schema: JSON, description: str = "") -> JSON:
@@ -170,14 +185,15 @@ def _native_paths(settings: Settings) -> dict[str, JSON]:
     on_stream = _stream_parameters()
     interval: JSON = {"type": "number", "minimum": 0, "maximum": settings.max_interval_ms}
     max_tokens: JSON = {"type": "integer", "minimum": 1, "maximum": settings.max_tokens_limit}
-    head = (400, 401, 404, 414, 431)
+    head = (400, 401, 404, *_BEFORE_ROUTING)
+    sse_head = (*head, 410)
     sse = _ref("NativeEvent")
     return {
         "/v1/streams": {
             "post": _operation(
                 "createStream",
                 "Start a stream",
-                {"201": created, **_errors("Error", (*head, 413, 429, 502, 503))},
+                {"201": created, **_errors("Error", (*head, 413, 415, 429, 502, 503))},
                 security=_security(stream=False),
                 body="CreateStreamRequest",
             )
@@ -198,7 +214,7 @@ def _native_paths(settings: Settings) -> dict[str, JSON]:
                 {
                     **_ok("the events, then live ones", sse, _SSE),
                     "204": {"description": "the stream is over: nothing left to send"},
-                    **_errors("Error", head),
+                    **_errors("Error", sse_head),
                 },
                 security=_security(stream=True),
                 parameters=[*on_stream, *_last_event_id()],
@@ -232,7 +248,7 @@ def _native_paths(settings: Settings) -> dict[str, JSON]:
                 {
                     **_ok("the events (or only a retry hint when full)", sse, _SSE),
                     "204": {"description": "the resumed stream is over"},
-                    **_errors("Error", (*head, 429)),
+                    **_errors("Error", (*sse_head, 429)),
                 },
                 security=_security(stream=True),
                 parameters=[
@@ -247,15 +263,33 @@ def _native_paths(settings: Settings) -> dict[str, JSON]:
             "get": _operation(
                 "listModels",
                 "The served models, the default first",
-                {**_ok("the models", _ref("ModelList")), **_errors("Error", (401, 414, 431))},
+                {
+                    **_ok("the models", _ref("ModelList")),
+                    **_errors("Error", (401, *_BEFORE_ROUTING)),
+                },
                 security=_security(stream=False),
+            )
+        },
+        "/v1/models/{model_id}": {
+            "get": _operation(
+                "retrieveModel",
+                "One served model (OpenAI's retrieve)",
+                {
+                    **_ok("the model", _ref("Model")),
+                    "404": _error("no model of that id is served", "OpenAIError"),
+                    **_errors("Error", (401, *_BEFORE_ROUTING)),
+                },
+                security=_security(stream=False),
+                parameters=[
+                    _param("path", "model_id", {"type": "string"}, "may hold '/'"),
+                ],
             )
         },
         "/healthz": {
             "get": _operation(
                 "healthz",
                 "Liveness",
-                {**_ok("alive", _ref("Health")), **_errors("Error", (414, 431))},
+                {**_ok("alive", _ref("Health")), **_errors("Error", _BEFORE_ROUTING)},
             )
         },
         "/readyz": {
@@ -265,7 +299,7 @@ def _native_paths(settings: Settings) -> dict[str, JSON]:
                 {
                     **_ok("ready", _ref("Health")),
                     "503": {"description": "draining", "content": _content(_ref("Health"))},
-                    **_errors("Error", (414, 431)),
+                    **_errors("Error", _BEFORE_ROUTING),
                 },
             )
         },
@@ -273,14 +307,14 @@ def _native_paths(settings: Settings) -> dict[str, JSON]:
             "get": _operation(
                 "openapi",
                 "This description",
-                {**_ok("OpenAPI 3.1", {"type": "object"}), **_errors("Error", (414, 431))},
+                {**_ok("OpenAPI 3.1", {"type": "object"}), **_errors("Error", _BEFORE_ROUTING)},
             )
         },
     }
 
 
 def _compat_paths() -> dict[str, JSON]:
-    statuses = (400, 401, 404, 413, 414, 429, 431, 502, 503)
+    statuses = (400, 401, 404, 413, 415, 429, 502, 503, *_BEFORE_ROUTING)
     resumable = _param(
         "header",
         "X-Sluice-Resumable",
@@ -410,19 +444,21 @@ def _response_schemas() -> dict[str, JSON]:
             "required": ["id", "dropped"],
             "properties": {"id": {"type": "string"}, "dropped": {"type": "integer"}},
         },
+        "Model": {
+            "type": "object",
+            "required": ["id", "object", "created", "owned_by"],
+            "properties": {
+                **_string_fields("id", "owned_by"),
+                "object": {"const": "model"},
+                "created": {"type": "integer", "description": "when this server began to serve it"},
+            },
+        },
         "ModelList": {
             "type": "object",
             "required": ["object", "data"],
             "properties": {
                 "object": {"const": "list"},
-                "data": {
-                    "type": "array",
-                    "items": {
-                        "type": "object",
-                        "required": ["id", "object", "owned_by"],
-                        "properties": _string_fields("id", "object", "owned_by"),
-                    },
-                },
+                "data": {"type": "array", "items": _ref("Model")},
             },
         },
         "Health": {

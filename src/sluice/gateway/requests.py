@@ -1,4 +1,14 @@
-"""Request bodies and query strings: parsed, bounded, and explained when wrong."""
+"""Request bodies and query strings: parsed, bounded, and explained when wrong.
+
+Every request body is JSON and must say so (:func:`check_json_media_type`):
+``application/json`` or a ``+json`` type (RFC 6839 section 3.1), with no charset or
+``utf-8`` (RFC 8259 section 8.1: JSON between systems is UTF-8; its section 11 defines no
+charset parameter, so one that says UTF-8 changes nothing); other parameters are ignored,
+and type and subtype are case-insensitive (RFC 9110 section 8.3.1). Anything else, or
+none, is ``415`` (RFC 9110 section 15.5.16) before the body is read. A browser sends a
+cross-origin POST without asking first (no preflight) only with a form or ``text/plain``
+type, or none: refusing those keeps every cross-origin write behind the CORS preflight.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +21,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sluice.backends.base import GenerationRequest
 from sluice.errors import BadEventIdError, BadRequestError
-from sluice.gateway.errors import PayloadTooLargeError
+from sluice.gateway.errors import (
+    JSON_MEDIA_TYPE,
+    PayloadTooLargeError,
+    UnsupportedMediaTypeError,
+)
 from sluice.gateway.settings import Settings
 from sluice.streams.ids import parse_position
 from sluice.transports.asgi import Receive, Scope
 
 __all__ = [
     "CreateStreamBody",
+    "check_json_media_type",
     "generation_request",
     "last_event_id",
     "read_json_body",
@@ -55,8 +70,30 @@ def _explain(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def check_json_media_type(headers: list[tuple[bytes, bytes]]) -> None:
+    """Raise :class:`UnsupportedMediaTypeError` unless ``Content-Type`` declares JSON."""
+    declared = next((value for name, value in headers if name == b"content-type"), None)
+    if declared is None:
+        raise UnsupportedMediaTypeError(f"no Content-Type: send the body as {JSON_MEDIA_TYPE}")
+    text = declared.decode("latin-1")
+    media_type, *parameters = (part.strip() for part in text.split(";"))
+    kind, slash, subtype = media_type.lower().partition("/")
+    if kind != "application" or not slash or not (subtype == "json" or subtype.endswith("+json")):
+        raise UnsupportedMediaTypeError(
+            f"Content-Type {text[:80]!r} is not JSON: send the body as {JSON_MEDIA_TYPE}"
+        )
+    for parameter in parameters:
+        name, _, value = parameter.partition("=")
+        charset = value.strip().strip('"').lower()
+        if name.strip().lower() == "charset" and charset not in ("utf-8", "utf8"):
+            raise UnsupportedMediaTypeError(
+                f"charset {charset[:40]!r}: JSON bodies are UTF-8 (RFC 8259 section 8.1)"
+            )
+
+
 async def read_json_body(scope: Scope, receive: Receive, max_bytes: int) -> object:
-    """Read and parse a JSON request body of at most ``max_bytes``."""
+    """Read and parse a JSON request body of at most ``max_bytes`` (declared as JSON)."""
+    check_json_media_type(scope["headers"])
     for name, value in scope["headers"]:
         if name == b"content-length":
             try:
@@ -159,7 +196,8 @@ def last_event_id(scope: Scope, query: dict[str, list[str]]) -> tuple[str, int, 
     """The ``Last-Event-ID`` (header first, then ``?last_event_id=``) as ``(stream, seq,
     frames)`` (see :mod:`sluice.streams.ids`).
 
-    An empty value means "no id" (what EventSource sends when it has none).
+    An empty value means "no id" (what EventSource sends when it has none), so an empty
+    header leaves the query to say where to resume.
     """
     raw: str | None = None
     for name, value in scope["headers"]:
@@ -169,7 +207,7 @@ def last_event_id(scope: Scope, query: dict[str, list[str]]) -> tuple[str, int, 
             except UnicodeDecodeError:
                 raise BadEventIdError("Last-Event-ID is not valid UTF-8") from None
             break
-    if raw is None:
+    if not raw:
         values = query.get("last_event_id")
         if values:
             raw = values[-1]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
+from sluice.dialects import openai
 from sluice.errors import BadEventIdError, SluiceError
 from sluice.events import Error
 from sluice.gateway.auth import TOKEN_PARAM, Auth, Caller, presented_token
@@ -36,6 +38,8 @@ class NativeApi:
         self._page_html = page_html
         self._metrics = metrics
         self._auth = auth
+        # ``created`` of every model in /v1/models: when this server began to serve them.
+        self._models_created = int(time.time())
 
     def _caller(self, request: Request) -> Caller:
         headers = request.scope["headers"]
@@ -48,7 +52,7 @@ class NativeApi:
         stream_id = request.path_params["stream_id"]
         if not is_stream_id(stream_id):
             raise BadEventIdError(f"malformed stream id {stream_id[:80]!r}")
-        return self._auth.check(self._hub.get(stream_id), caller)
+        return self._auth.find(self._hub.get, stream_id, caller)
 
     async def create_stream(self, request: Request) -> Response:
         try:
@@ -108,10 +112,28 @@ class NativeApi:
             self._auth.caller(request.scope["headers"])
         except SluiceError as exc:
             return response_for(exc)
-        data = [
-            {"id": model, "object": "model", "owned_by": "sluice"} for model in self._hub.models
-        ]
+        data = [self._model(model) for model in self._hub.models]
         return JSONResponse({"object": "list", "data": data})
+
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{id}`` (OpenAI's retrieve); an unknown id is OpenAI's 404."""
+        try:
+            self._auth.caller(request.scope["headers"])
+        except SluiceError as exc:
+            return response_for(exc)
+        model_id: str = request.path_params["model_id"]
+        if model_id not in self._hub.backends:
+            message = f"The model {model_id[:200]!r} does not exist"
+            body = openai.error_body(
+                message, type="invalid_request_error", code="model_not_found", param="model"
+            )
+            return JSONResponse(body, status_code=404)
+        return JSONResponse(self._model(model_id))
+
+    def _model(self, model_id: str) -> dict[str, object]:
+        """One model as OpenAI lists it."""
+        created = self._models_created
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "sluice"}
 
     async def page(self, request: Request) -> Response:
         return HTMLResponse(self._page_html, headers={"Cache-Control": "no-cache"})

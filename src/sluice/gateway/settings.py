@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sluice.errors import ConfigError
+from sluice.gateway.cors import parse_origin
+from sluice.gateway.hosts import parse_allowed_host
 from sluice.streams.hub import HubSettings
 
 __all__ = [
@@ -72,7 +74,14 @@ class Settings:
     body_timeout_s: float = 30.0
     # Which model a request gets when it names none.
     default_model: str = "words"
-    cors_allow_origins: tuple[str, ...] = field(default=("*",))
+    # Web origins other than the server's own that may call it (``"*"``: any). ``None``:
+    # none while callers without a key are served, any when every caller needs a key
+    # (see sluice.gateway.cors).
+    cors_allow_origins: tuple[str, ...] | None = None
+    # Host names answered besides loopback ones (``".example.com"``: a domain and the
+    # names under it; ``"*"``: any). ``None``: loopback names only while callers without
+    # a key are served, any when every caller needs a key (see sluice.gateway.hosts).
+    allowed_hosts: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         positive = {
@@ -108,6 +117,10 @@ class Settings:
         for name, value in non_negative.items():
             if value < 0:
                 raise ConfigError(f"{name} must not be negative, got {value!r}")
+        for origin in self.cors_allow_origins or ():
+            parse_origin(origin)
+        for host in self.allowed_hosts or ():
+            parse_allowed_host(host)
 
     def hub_settings(self, *, multi_tenant: bool) -> HubSettings:
         """The hub's limits; ``multi_tenant`` (API keys are configured) picks the per-tenant

@@ -4,7 +4,15 @@
 error); delivery is either the plain ASGI coroutine (:meth:`EventStreams.__call__`, any
 ASGI server) or the callback-driven connection of :mod:`sluice.gateway.protocol`
 (``sluice serve``). Both skip the framework's middleware stack: every coroutine frame and
-wrapper here is multiplied by the number of held streams.
+wrapper here is multiplied by the number of held streams. So :meth:`EventStreams.open`
+checks the ``Host`` itself, and the responses carry the app's CORS headers.
+
+A read that cannot start where it asks, because the log no longer holds that position
+(a fresh read included, when the stream's first events are gone), is answered
+``410 Gone`` with a JSON error ``resume_gap`` before the response starts: EventSource
+treats any status but 200 as final, so it stops instead of reconnecting to the same gap.
+A reader that falls behind the log while reading gets the in-band ``resume_gap`` event
+(the response has started); its reconnect, from its last id, is then such a ``410``.
 """
 
 from __future__ import annotations
@@ -20,11 +28,12 @@ from sluice.errors import (
     CapacityError,
     ResumeGapError,
     SluiceError,
-    StreamNotFoundError,
 )
 from sluice.gateway.auth import TOKEN_PARAM, Auth, Caller, presented_token
 from sluice.gateway.compat import Dialect
+from sluice.gateway.cors import CorsPolicy
 from sluice.gateway.errors import response_for
+from sluice.gateway.hosts import HostPolicy
 from sluice.gateway.requests import check_bounds, last_event_id, to_generation_request
 from sluice.gateway.settings import Settings
 from sluice.observability.metrics import Metrics
@@ -47,11 +56,22 @@ _DEMO_PATH = "/v1/demo/words"
 class EventStreams:
     """Serves SSE reads of the hub's streams."""
 
-    def __init__(self, hub: StreamHub, settings: Settings, metrics: Metrics, auth: Auth) -> None:
+    def __init__(
+        self,
+        hub: StreamHub,
+        settings: Settings,
+        metrics: Metrics,
+        auth: Auth,
+        *,
+        cors: CorsPolicy,
+        hosts: HostPolicy,
+    ) -> None:
         self._hub = hub
         self._settings = settings
         self._metrics = metrics
         self._auth = auth
+        self._cors = cors
+        self._hosts = hosts
         self.options = SSEOptions(
             heartbeat_interval_s=settings.heartbeat_interval_s,
             retry_ms=settings.retry_ms,
@@ -63,26 +83,25 @@ class EventStreams:
     @staticmethod
     def handles(method: str, path: str) -> bool:
         """True for the requests this class serves."""
-        if method != "GET":
-            return False
+        return method == "GET" and EventStreams.serves_path(path)
+
+    @staticmethod
+    def serves_path(path: str) -> bool:
+        """True for the paths of the SSE reads (only ``GET`` is served on them)."""
         if path == _DEMO_PATH:
             return True
         return path.startswith(_STREAMS_PREFIX) and path.endswith(_EVENTS_SUFFIX)
 
     def cors_headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
-        origins = self._settings.cors_allow_origins
-        if "*" in origins:
-            return [(b"access-control-allow-origin", b"*")]
-        for name, value in scope["headers"]:
-            if name == b"origin" and value.decode("latin-1") in origins:
-                return [(b"access-control-allow-origin", value), (b"vary", b"Origin")]
-        return []
+        """The app's CORS headers for an SSE response to this request."""
+        return self._cors.response_headers(scope["headers"])
 
     async def open(self, scope: Scope) -> Reader | None:
         """The reader a request gets, or ``None`` when nothing is left (answer 204).
 
         Raises :class:`~sluice.errors.SluiceError` for requests that get an error answer.
         """
+        self._hosts.check(scope)  # the native fast path reaches this without the app
         path: str = scope["path"]
         query = parse_qs(scope["query_string"].decode("latin-1"), keep_blank_values=True)
         tokens = query.get(TOKEN_PARAM)
@@ -105,7 +124,7 @@ class EventStreams:
 
     def _stream(self, stream_id: str, caller: Caller) -> Stream:
         """The stream, if ``caller`` may read it; else exactly what an unknown id gets."""
-        return self._auth.check(self._hub.get(stream_id), caller)
+        return self._auth.find(self._hub.get, stream_id, caller)
 
     def _open(self, stream: Stream, after_seq: int, frames: int) -> Reader | None:
         last_seq = self._hub.log.last_seq(stream.id)
@@ -118,6 +137,11 @@ class EventStreams:
             raise BadEventIdError(f"Last-Event-ID names a frame stream {stream.id} never sent")
         if stream.is_terminal and after_seq >= last_seq:
             return None
+        try:
+            self._hub.log.read(stream.id, after_seq, 1)  # is the position still retained?
+        except ResumeGapError:
+            self._metrics.resume_gaps.inc()
+            raise
         reader = self._hub.open_reader(stream.id, after_seq)
         if dialect is not None:  # a compatible stream resumes in its dialect
             reader.framer = dialect.framer(self._hub.log, stream.id, after_seq, frames)
@@ -133,12 +157,6 @@ class EventStreams:
             )
         stream = self._stream(position_stream, caller)
         self._metrics.resumes.inc()
-        try:
-            self._hub.log.read(position_stream, after_seq, 1)
-        except ResumeGapError:
-            self._metrics.resume_gaps.inc()  # the reader's first read reports it in-band
-        except StreamNotFoundError:
-            pass  # gone meanwhile: answered by _open
         return self._open(stream, after_seq, frames)
 
     async def _start_words(self, query: dict[str, list[str]], tenant: str) -> Reader | None:

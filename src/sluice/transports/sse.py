@@ -195,7 +195,8 @@ def _next_body(
         reader.done = True
         if framer is not None:
             return framer.refusal("resume_gap", str(exc)), False
-        return native.error_frame("resume_gap", str(exc)), False
+        position = event_id(reader.stream_id, exc.after_seq)  # its reconnect then gets 410
+        return native.error_frame("resume_gap", str(exc), event_id=position), False
     except StreamNotFoundError:
         reader.done = True  # expired under us: nothing more will come
         return b"", False
