@@ -84,13 +84,13 @@ def _serves_real_requests(server: ServerProcess) -> None:
 def test_silent_and_half_sent_connections_are_closed_within_their_deadlines(
     native_sse: bool,
 ) -> None:
-    partial_head = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: "
+    partial_head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
     sized = (
-        b"POST /v1/streams HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/streams HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"Content-Length: 100\r\n\r\n{"
     )
     chunked = (
-        b"POST /v1/streams HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/streams HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n"
     )
     with ServerProcess(*_options(native_sse)) as server:
@@ -168,7 +168,7 @@ def test_a_head_begun_on_a_kept_alive_connection_gets_408_at_its_deadline(
         server.wait_ready()
         response = open_get(server.port, "/v1/demo/words?text=a%20b&interval_ms=0")
         assert Decoder().feed(b"".join(response.body()))[-1].event == "done"
-        response.sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # and no more
+        response.sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and no more
         sent_at = time.monotonic()
         closed = read_until_closed(response.sock)
         response.close()

@@ -29,7 +29,7 @@ def words_server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
 
 
 def _get(target: str, *headers: str) -> bytes:
-    lines = [f"GET {target} HTTP/1.1", "Host: x", *headers]
+    lines = [f"GET {target} HTTP/1.1", "Host: 127.0.0.1", *headers]
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
@@ -113,7 +113,7 @@ def test_a_request_pipelined_behind_an_unsupported_upgrade_is_not_left_hanging(
 def test_a_head_far_over_the_limits_gets_its_431_not_a_reset(
     words_server: ServerProcess,
 ) -> None:
-    head = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n"
+    head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n"
     with _connect(words_server) as sock:
         # Without a lingering close, the reset may come while it is still sending.
         with contextlib.suppress(ConnectionError):
