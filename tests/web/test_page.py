@@ -87,6 +87,25 @@ def _wait_tokens(page: Page, at_least: int) -> None:
     )
 
 
+def _stop_at_tokens(page: Page, count: int) -> None:
+    """Click Stop from inside the page as soon as it shows ``count`` tokens: in the same
+    JavaScript task that shows them, so a fast model cannot run to its end while a click
+    travels from the test process to the browser."""
+    page.evaluate(
+        """n => {
+            const tokens = document.getElementById('tokens');
+            const observer = new MutationObserver(() => {
+                if (Number(tokens.textContent) >= n) {
+                    observer.disconnect();
+                    document.getElementById('stop').click();
+                }
+            });
+            observer.observe(tokens, {childList: true, characterData: true, subtree: true});
+        }""",
+        count,
+    )
+
+
 def test_page_streams_words_one_by_one_and_ends_with_the_exact_text(page: Page) -> None:
     assert page.title() == "Sluice"
     _start_words(page, SHORT_TEXT, 50)
@@ -264,10 +283,8 @@ def test_page_streams_the_default_models_tokens_until_max_tokens(
 def test_page_stop_cancels_a_model_stream_midway(page: Page, server: ServerProcess) -> None:
     _past_end_of_text(page)
     page.wait_for_function("document.getElementById('model').options.length > 0")
+    _stop_at_tokens(page, 3)
     _start_model(page, MODEL_PROMPT, 200, 0.8)
-
-    _wait_tokens(page, 3)
-    page.click("#stop")
     _wait_state(page, "done:cancelled")
 
     shown_tokens = int(_text(page, "#tokens"))
