@@ -59,7 +59,8 @@ from sluice.sse import Decoder
 # The flags that give an attack a short bound in --quick (names of the fixes' options).
 HEAD_TIMEOUT_FLAG = "--head-timeout"  # seconds for a connection to send a whole head
 BODY_TIMEOUT_FLAG = "--body-timeout"  # seconds for a request to send its whole body
-LOG_BUDGET_FLAG = "--max-log-memory"  # bytes, every stream's event log together
+LOG_BUDGET_FLAG = "--log-memory-budget"  # every stream's event log together
+LOG_BUDGET_VALUE = "{mb}MiB"  # how that flag spells a size
 # Their values in --quick.
 QUICK_HEAD_TIMEOUT_S = 2.0
 QUICK_BODY_TIMEOUT_S = 2.0
@@ -429,7 +430,7 @@ async def attack_memory(run: Run) -> list[Outcome]:
     budget_mb = sizes.log_budget_mb
     options = ["--no-model"]
     if run.offers(LOG_BUDGET_FLAG):  # a small budget, so that a short loop passes it
-        options += [LOG_BUDGET_FLAG, str(budget_mb * 2**20)]
+        options += [LOG_BUDGET_FLAG, LOG_BUDGET_VALUE.format(mb=budget_mb)]
     srv = run.server("memory", *options, env={"SLUICE_API_KEYS": keys})
     attacker = {"Authorization": f"Bearer {KEYS['attacker']}"}
     victim = {"Authorization": f"Bearer {KEYS['victim']}"}
