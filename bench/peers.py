@@ -37,7 +37,8 @@ _UVICORN_OPTIONS = (
 # Our servers are stopped with SIGTERM once their measurement is done, often with streams
 # still live (a concurrency ramp's readers are gone, their streams wait out the grace
 # window): give those streams 2 s to finish instead of the 30 s drain a deployment gets, so
-# that every server ends within ServerProcess.stop's wait.
+# that every server ends (2 s, then up to --shutdown-timeout's 5 s) within the 20 s that
+# ServerProcess.stop waits.
 _STOP_OPTIONS = ("--drain-timeout", "2")
 # Lines in a server's log that mean it misbehaved.
 _TROUBLE = re.compile(r"Traceback|Exception|Error|ERROR|CRITICAL|WARNING|Killed|exceeded")
@@ -149,7 +150,7 @@ class ServerProcess:
         assert self.process is not None
         return self.process.pid
 
-    def start(self, ready_timeout: float = 20.0) -> ServerProcess:
+    def start(self, ready_timeout: float = 60.0) -> ServerProcess:
         with self.log_path.open("ab") as log:
             log.write(f"$ {' '.join(self.command)}\n".encode())
             log.flush()
@@ -180,7 +181,7 @@ class ServerProcess:
             pass
         return "?"
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout`` s; records how it ended."""
         process, self.process = self.process, None
         if process is None:
