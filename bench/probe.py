@@ -52,7 +52,7 @@ from pathlib import Path
 import httpx
 
 from peers import HOST, ServerProcess, free_port
-from sluice.sse import Decoder
+from sluice.sse import Decoder, Event
 
 # ---------------------------------------------------------------- the bounds, in one place
 
@@ -263,8 +263,8 @@ async def served_meanwhile(url: str) -> Outcome:
     )
 
 
-async def read_events(http: httpx.AsyncClient, events_url: str) -> list[object]:
-    decoder, events = Decoder(), []
+async def read_events(http: httpx.AsyncClient, events_url: str) -> list[Event]:
+    decoder, events = Decoder(), list[Event]()
     async with http.stream("GET", events_url, timeout=60) as response:
         async for piece in response.aiter_raw():
             events += decoder.feed(piece)
@@ -318,13 +318,13 @@ async def attack_lockout(run: Run) -> list[Outcome]:
         sockets = []
         for _ in range(sizes.lockout_sockets):
             sockets.append(await asyncio.open_connection(HOST, srv.port))
-        statuses = []
+        statuses: list[int | str] = []
         async with httpx.AsyncClient(base_url=base_url(srv), timeout=10) as http:
             for _ in range(5):
                 try:
                     statuses.append((await http.get("/healthz")).status_code)
                 except httpx.HTTPError as exc:
-                    statuses.append(type(exc).__name__)  # type: ignore[arg-type]
+                    statuses.append(type(exc).__name__)
         for _, writer in sockets:
             writer.close()
     refused = len(statuses) - statuses.count(200)
@@ -341,13 +341,13 @@ async def attack_lockout(run: Run) -> list[Outcome]:
 # ---------------------------------------------------------------- 2. poisoned sampling
 
 
-def stream_result(events: list[object]) -> tuple[str, int]:
+def stream_result(events: list[Event]) -> tuple[str, int]:
     """(the terminal event, e.g. ``done:length`` or ``error:backend_error``; tokens: the
     usage event's count, else the token events seen)."""
     terminal, tokens, usage = "none", 0, None
     for event in events:
-        data = json.loads(event.data) if event.data else {}  # type: ignore[attr-defined]
-        kind = event.event  # type: ignore[attr-defined]
+        data = json.loads(event.data) if event.data else {}
+        kind = event.event
         if kind == "token":
             tokens += 1
         elif kind == "usage":
@@ -378,7 +378,7 @@ async def attack_poison(run: Run) -> list[Outcome]:
                 if created.status_code != 201:
                     started[index].set()
                     return f"refused {created.status_code}", 0
-                decoder, events = Decoder(), []
+                decoder, events = Decoder(), list[Event]()
                 async with http.stream("GET", created.json()["events_url"]) as response:
                     async for piece in response.aiter_raw():
                         events += decoder.feed(piece)
@@ -503,7 +503,7 @@ async def attack_origin(run: Run) -> list[Outcome]:
             )
 
     def allow(response: httpx.Response) -> str:
-        return response.headers.get("access-control-allow-origin", "none")
+        return str(response.headers.get("access-control-allow-origin", "none"))
 
     return [
         Outcome(

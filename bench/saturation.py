@@ -124,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     missed = 0
-    for on, off in zip(results.get("on", []), results.get("off", []), strict=False):
-        for name, level in (("on", on), ("off", off)):
+    for level_on, level_off in zip(results.get("on", []), results.get("off", []), strict=False):
+        for name, level in (("on", level_on), ("off", level_off)):
             if level["num_errors"]:
                 problems.append(
                     f"admission {name}, {level['level']:g} streams: {level['num_errors']} "
