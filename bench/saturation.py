@@ -10,8 +10,13 @@ p50/p99 of accepted requests, output tokens/s, and how many were served and refu
 The target (issue 5): with admission on, TTFT p99 of accepted requests stays under the SLO
 at every load; with it off, the collapse shows.
 
+Problems (exit status 1): requests that failed with an error (not a refusal), a load
+generator that did not finish, a server that had to be killed or logged a traceback. A
+p99 over the SLO is a missed target, printed, not a problem.
+
     .venv/bin/python bench/saturation.py                       # ~5 min
     .venv/bin/python bench/saturation.py --levels 1,8,64 --duration 5   # quicker
+    .venv/bin/python bench/saturation.py --quick               # smoke run, ~1 min
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from peers import HOST, ServerProcess, free_port
+from peers import HOST, ServerProcess, free_port, scan_log
+
+# --quick: two levels, one below and one well past the engine's 64 running sequences.
+QUICK_LEVELS, QUICK_DURATION_S = "1,96", 3.0
 
 
 def serve_command(port: int, *options: str) -> list[str]:
@@ -33,7 +41,8 @@ def serve_command(port: int, *options: str) -> list[str]:
     ]  # fmt: skip
 
 
-def load(port: int, args: argparse.Namespace, out: Path) -> list[dict[str, object]]:
+def load(port: int, args: argparse.Namespace, out: Path) -> list[dict[str, object]] | None:
+    """``sluice bench`` against ``port``; its levels, or None when it did not finish."""
     command = [
         sys.executable, "-m", "sluice.cli", "bench", "--url", f"http://{HOST}:{port}",
         "--api", "openai-completions", "--concurrency", args.levels,
@@ -41,8 +50,17 @@ def load(port: int, args: argparse.Namespace, out: Path) -> list[dict[str, objec
         "--prompt-tokens", str(args.prompt_tokens), "--temperature", "0",
         "--no-progress", "--json", str(out),
     ]  # fmt: skip
-    subprocess.run(command, check=False, stdout=subprocess.DEVNULL)
-    levels: list[dict[str, object]] = json.loads(out.read_text())["levels"]
+    levels_s = len(args.levels.split(","))
+    try:
+        subprocess.run(
+            command,
+            check=False,
+            stdout=subprocess.DEVNULL,
+            timeout=60 + 3 * levels_s * args.duration,
+        )
+        levels: list[dict[str, object]] = json.loads(out.read_text())["levels"]
+    except (subprocess.TimeoutExpired, OSError, ValueError, KeyError):
+        return None
     return levels
 
 
@@ -59,19 +77,38 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: levels {QUICK_LEVELS}, {QUICK_DURATION_S:g} s each",
+    )
     args = parser.parse_args(argv)
+    if args.quick:
+        args.levels, args.duration = QUICK_LEVELS, QUICK_DURATION_S
 
     logs = Path(tempfile.mkdtemp(prefix="saturation-"))
     results: dict[str, list[dict[str, object]]] = {}
+    problems: list[str] = []
     on = ["--ttft-slo", str(args.slo), "--ttft-headroom", str(args.headroom)]
     for name, options in (("on", on), ("off", [])):
         port = free_port()
         server = ServerProcess(
             name, serve_command(port, *options), port, "/readyz", logs / f"{name}.log"
         )
-        server.start(ready_timeout=60)
+        try:
+            server.start(ready_timeout=60)
+        except RuntimeError as exc:
+            problems.append(f"admission {name}: {exc}")
+            continue
         with server:
-            results[name] = load(port, args, logs / f"{name}.json")
+            levels = load(port, args, logs / f"{name}.json")
+        if levels is None:
+            problems.append(f"admission {name}: sluice bench did not finish (see {logs})")
+        else:
+            results[name] = levels
+        if server.exit_note:
+            problems.append(f"admission {name}: server {server.exit_note}")
+        problems += [f"admission {name} log: {line}" for line in scan_log(server.log_path)]
         print(f"admission {name}: done", flush=True)
 
     def ms(value: object) -> str:
@@ -87,8 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     missed = 0
-    for on, off in zip(results["on"], results["off"], strict=True):
-        for name, level in (("on", on), ("off", off)):
+    for level_on, level_off in zip(results.get("on", []), results.get("off", []), strict=False):
+        for name, level in (("on", level_on), ("off", level_off)):
+            if level["num_errors"]:
+                problems.append(
+                    f"admission {name}, {level['level']:g} streams: {level['num_errors']} "
+                    f"requests failed: {level['errors']}"
+                )
             ttft = level["ttft_ms"]
             assert isinstance(ttft, dict)
             p99 = ttft["p99"]
@@ -102,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{'yes' if within else 'no'} |"
             )
     print(f"\nadmission on: TTFT p99 over the SLO at {missed} level(s); logs in {logs}")
-    return 0
+    if problems:
+        print("\nProblems:\n" + "\n".join(f"- {p}" for p in problems))
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

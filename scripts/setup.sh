@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up Sluice in ./.venv; idempotent. `scripts/setup.sh --test` also installs what the
-# test suite needs (the test extras and Debian's Chromium for the browser tests).
+# test suite needs: the test and bench extras (tests/bench runs every benchmark in its
+# --quick mode) and Debian's Chromium for the browser tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,7 +29,7 @@ if [[ ! -x .venv/bin/python ]]; then
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 if ((want_test)); then
-    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,bench]"
 else
     .venv/bin/python -m pip install -q --disable-pip-version-check -e .
 fi

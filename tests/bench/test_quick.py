@@ -1,0 +1,80 @@
+"""Every benchmark of ``bench/`` in its ``--quick`` mode, as a user runs it, so none rots.
+
+Each test runs ``python bench/<name>.py --quick`` in its own process group and asserts it
+exited 0: a benchmark exits 1 when its run reports a problem (client errors, streams not
+held, a server that had to be killed or logged a traceback, a crash), not when it misses
+a performance target (those are printed PASS/MISS). Its table is printed (``pytest -s``
+or ``-rP`` shows it), and shown in full when the test fails.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
+# How long a quick run may take on a busy 2-vCPU machine (each takes well under a minute
+# alone); the process group is stopped at this bound, and pytest-timeout stops the test
+# a minute later if even that hangs.
+RUN_LIMIT_S = 420
+
+
+def run_quick(name: str) -> str:
+    """Run ``bench/<name>.py --quick``; its output, or fail with it."""
+    process = subprocess.Popen(
+        [sys.executable, str(BENCH_DIR / f"{name}.py"), "--quick"],
+        cwd=BENCH_DIR.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its servers too: one group to stop
+    )
+    try:
+        output, _ = process.communicate(timeout=RUN_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            output, _ = process.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+        pytest.fail(f"bench/{name}.py --quick ran past {RUN_LIMIT_S} s:\n{output}")
+    print(output)
+    assert process.returncode == 0, f"bench/{name}.py --quick: exit {process.returncode}\n{output}"
+    return output
+
+
+pytestmark = [pytest.mark.bench, pytest.mark.timeout(RUN_LIMIT_S + 60)]
+
+
+def test_sse_fanout_quick_run_holds_every_stream_without_errors() -> None:
+    output = run_quick("sse_fanout")
+    assert "| **throughput**" in output
+    assert "| **concurrency**" in output
+    assert "| **latency**" in output
+
+
+def test_engine_throughput_quick_run_matches_transformers_greedy_output() -> None:
+    output = run_quick("engine_throughput")
+    assert "| ours / HF static batch |" in output
+
+
+def test_proxy_overhead_quick_run_delivers_every_token_direct_and_proxied() -> None:
+    output = run_quick("proxy_overhead")
+    assert "| 8 | token latency (ms) |" in output
+
+
+def test_saturation_quick_run_serves_or_refuses_every_request_with_admission_on_and_off() -> None:
+    output = run_quick("saturation")
+    assert "| 96 | on |" in output
+    assert "| 96 | off |" in output
+
+
+def test_probe_quick_run_finds_no_attack_that_succeeds() -> None:
+    output = run_quick("probe")
+    assert "| attack | outcome | figure | verdict |" in output
