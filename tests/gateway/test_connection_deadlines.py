@@ -37,7 +37,7 @@ def _descriptors_for_hundreds_of_sockets() -> Iterator[None]:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = 4096 if hard == resource.RLIM_INFINITY else min(hard, 4096)
     if wanted < 1024:
-        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} is under 1024")
+        pytest.fail(f"RLIMIT_NOFILE hard limit {hard} is under 1024: raise it to run this test")
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
     yield
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
