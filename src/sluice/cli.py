@@ -11,7 +11,6 @@ import ipaddress
 import logging
 import math
 import os
-import signal
 import socket
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -41,7 +40,6 @@ from sluice.gateway.auth import (
     load_key_file,
     parse_key_list,
 )
-from sluice.gateway.protocol import SluiceHttpProtocol
 from sluice.gateway.settings import (
     DEFAULT_MAX_RETAINED_STREAMS_PER_TENANT,
     DEFAULT_MAX_STREAMS_PER_TENANT,
@@ -49,6 +47,7 @@ from sluice.gateway.settings import (
     Settings,
 )
 from sluice.observability.logs import LOG_FORMATS, configure_logging
+from sluice.transports.http1.uvicorn_adapter import exit_without_reraise, protocol_class
 
 __all__ = ["BUNDLED_MODEL", "build_parser", "main"]
 
@@ -388,7 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--native-sse",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="serve SSE reads with Sluice's callback-driven HTTP protocol; with "
+        help="serve SSE reads and the compatible APIs (chat/completions, completions, "
+        "messages, ...) with Sluice's callback-driven HTTP protocol; with "
         "--no-native-sse they go through the ASGI app like every other request, as under "
         "any ASGI server (the connection deadlines and limits apply either way)",
     )
@@ -558,10 +558,7 @@ class _Server(uvicorn.Server):
             self._exit(sig, None)
 
     def _exit(self, sig: int, frame: FrameType | None) -> None:
-        super().handle_exit(sig, frame)
-        if sig == signal.SIGTERM and sig in self._captured_signals:
-            # uvicorn 0.54 records signals here to re-raise them after shutdown.
-            self._captured_signals.remove(sig)
+        exit_without_reraise(self, sig, frame)
 
 
 def _embedded_engine(
@@ -757,13 +754,14 @@ def serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         loop="uvloop",
-        http=SluiceHttpProtocol.for_server(native_sse=args.native_sse),
+        http=protocol_class(app.opener, native=args.native_sse),
         ws="none",
         lifespan="on",
         log_config=log_config,
         log_level=args.log_level,
         access_log=args.access_log,
-        # Read by SluiceHttpProtocol as the most connections inside a request.
+        # Read by the protocol (sluice.transports.http1) as the most connections inside a
+        # request.
         limit_concurrency=args.max_connections,
         timeout_keep_alive=args.keep_alive_timeout,
         server_header=False,

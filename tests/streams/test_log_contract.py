@@ -8,7 +8,6 @@ import pytest
 
 from sluice.errors import ResumeGapError, StreamNotFoundError
 from sluice.events import Finished, FinishReason, TextDelta
-from sluice.sse import Decoder, Event
 from sluice.streams import LogLimits
 from tests.streams.conftest import LogFactory
 
@@ -29,7 +28,6 @@ async def test_append_numbers_events_from_one_and_read_replays_after_a_position(
     batch = log.read(SID, 0, 10)
     assert (batch.first_seq, batch.last_seq) == (1, 3)
     assert list(batch.events) == [TextDelta("a"), TextDelta("b"), TextDelta("c")]
-    assert len(batch.frames) == 3
     later = log.read(SID, 1, 10)
     assert (later.first_seq, list(later.events)) == (2, [TextDelta("b"), TextDelta("c")])
     empty = log.read(SID, 3, 10)
@@ -37,16 +35,15 @@ async def test_append_numbers_events_from_one_and_read_replays_after_a_position(
     assert list((log.read(SID, 0, 2)).events) == [TextDelta("a"), TextDelta("b")]
 
 
-async def test_frames_are_native_sse_with_stream_scoped_ids(make_log: LogFactory) -> None:
+async def test_a_batch_holds_the_neutral_events_themselves(make_log: LogFactory) -> None:
+    """A log stores events, never wire bytes: what is read is what was appended."""
     log = make_log(LogLimits())
     await log.create(SID)
-    await log.append(SID, [TextDelta("hi\nthere"), Finished(FinishReason.STOP)])
-    decoder = Decoder()
-    events = decoder.feed(b"".join((log.read(SID, 0, 10)).frames))
-    assert events == [
-        Event(data='{"text":"hi\\nthere"}', event="token", id=f"{SID}:1"),
-        Event(data='{"reason":"stop"}', event="done", id=f"{SID}:2"),
-    ]
+    events = [TextDelta("hi\nthere"), Finished(FinishReason.STOP)]
+    await log.append(SID, events)
+    batch = log.read(SID, 0, 10)
+    assert list(batch.events) == events
+    assert batch.__slots__ == ("first_seq", "events")
 
 
 async def test_unknown_stream_raises_not_found(make_log: LogFactory) -> None:
@@ -70,7 +67,6 @@ async def test_bounded_log_drops_oldest_and_reports_a_resume_gap(make_log: LogFa
     retained = log.read(SID, gap.value.first_retained_seq - 1, 100)
     assert 0 < len(retained) <= 10
     assert retained.last_seq == 25
-    assert len(retained.frames) == len(retained.events)
 
 
 async def test_byte_bound_keeps_at_least_the_newest_record(make_log: LogFactory) -> None:
@@ -112,33 +108,32 @@ async def test_delete_wakes_watchers_and_forgets_the_stream(make_log: LogFactory
         log.last_seq(SID)
 
 
-async def test_num_bytes_counts_the_events_and_frames_held(make_log: LogFactory) -> None:
+async def test_num_bytes_counts_the_events_held(make_log: LogFactory) -> None:
     log = make_log(LogLimits())
     await log.create(SID)
     empty = log.num_bytes(SID)
     assert empty > 0  # a log costs something before its first record
     await log.append(SID, [TextDelta("a")])
     one = log.num_bytes(SID)
-    frame = log.read(SID, 0, 1).frames[0]
-    # The record holds its frame, its event and its text, not just the frame's length.
-    assert one - empty > 2 * len(frame)
+    # The record holds its event object and its text, not just the text's length.
+    assert one - empty > 40
     await log.append(SID, [TextDelta("b") for _ in range(99)])
     assert log.num_bytes(SID) - empty == pytest.approx(100 * (one - empty), rel=0.05)
 
 
-async def test_the_byte_bound_counts_what_a_record_holds_not_its_frame(
+async def test_the_byte_bound_counts_what_a_record_holds_not_its_text(
     make_log: LogFactory,
 ) -> None:
-    """100 one-letter tokens have 100 * ~70 bytes of frames but hold about 240 bytes each:
-    a 10 kB bound keeps far fewer than 100."""
-    log = make_log(LogLimits(max_records=1000, max_bytes=10_000))
+    """100 one-letter tokens have 100 bytes of text but hold about 120 bytes each: a
+    5 kB bound keeps far fewer than 100."""
+    log = make_log(LogLimits(max_records=1000, max_bytes=5_000))
     await log.create(SID)
     for _ in range(100):
         await log.append(SID, [TextDelta("a")])
     with pytest.raises(ResumeGapError) as gap:
         log.read(SID, 0, 1000)
-    assert gap.value.first_retained_seq > 100 - 10_000 // 200
-    assert log.num_bytes(SID) <= 10_000 + 512
+    assert gap.value.first_retained_seq > 100 - 5_000 // 100
+    assert log.num_bytes(SID) <= 5_000 + 512
 
 
 async def test_trim_drops_the_oldest_records_down_to_a_size_and_keeps_the_newest(

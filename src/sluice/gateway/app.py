@@ -38,6 +38,7 @@ from sluice.gateway.errors import error_response, response_for
 from sluice.gateway.hosts import HostPolicy
 from sluice.gateway.limits import check_head
 from sluice.gateway.openapi import openapi_endpoint
+from sluice.gateway.protocol import GatewayOpener
 from sluice.gateway.routes import NativeApi
 from sluice.gateway.settings import Settings
 from sluice.gateway.streaming import EventStreams
@@ -46,6 +47,7 @@ from sluice.streams.hub import StreamHub
 from sluice.streams.log import LogLimits
 from sluice.streams.memory import MemoryEventLog
 from sluice.transports.asgi import Receive, Scope, Send
+from sluice.transports.frames import FrameCache
 
 __all__ = ["SluiceApp", "create_app"]
 
@@ -58,7 +60,8 @@ class _AbortObserved(Protocol):
 
 
 class SluiceApp:
-    """The ASGI callable; ``hub`` is exposed for operations and tests."""
+    """The ASGI callable; ``hub`` is exposed for operations and tests, ``opener`` for the
+    native HTTP/1.1 path of ``sluice serve`` (:mod:`sluice.transports.http1`)."""
 
     def __init__(
         self,
@@ -70,7 +73,11 @@ class SluiceApp:
         self.settings = settings
         self.auth = auth or Auth.anonymous()
         self._resources = tuple(resources)
-        log = MemoryEventLog(LogLimits(settings.max_log_records, settings.max_log_bytes))
+        # Each stream's frames, encoded once per event beside its log (and counted in it).
+        self.frames = FrameCache()
+        log = MemoryEventLog(
+            LogLimits(settings.max_log_records, settings.max_log_bytes), observer=self.frames
+        )
         # Per-tenant limits default to the server's when there is one tenant (no keys).
         hub_settings = settings.hub_settings(multi_tenant=self.auth.num_keys > 0)
         versions = {name: str(getattr(b, "version", "")) for name, b in backends.items()}
@@ -84,11 +91,23 @@ class SluiceApp:
         self.cors = CorsPolicy.by_mode(settings.cors_allow_origins, keyless_callers=keyless)
         self.hosts = HostPolicy.by_mode(settings.allowed_hosts, keyless_callers=keyless)
         self.streams = EventStreams(
-            self.hub, settings, self.metrics, self.auth, cors=self.cors, hosts=self.hosts
+            self.hub,
+            settings,
+            self.metrics,
+            self.auth,
+            cors=self.cors,
+            hosts=self.hosts,
+            frames=self.frames,
         )
         page = package_data.files("sluice.web").joinpath("index.html").read_text("utf-8")
         api = NativeApi(self.hub, settings, page, self.metrics, self.auth)
-        compat = CompatAPI(self.hub, settings, self.streams.options, self.metrics, self.auth)
+        compat = CompatAPI(
+            self.hub, settings, self.streams.options, self.metrics, self.auth, self.frames
+        )
+        # What `sluice serve`'s native HTTP/1.1 path asks of the app (sluice.transports.http1).
+        self.opener = GatewayOpener(
+            settings, self.streams, compat, self.metrics, cors=self.cors, hosts=self.hosts
+        )
         self._framework = Starlette(
             routes=[
                 Route("/", api.page, methods=["GET"]),

@@ -2,13 +2,23 @@
 (:data:`sluice.dialects.registry.API_DIALECTS`: OpenAI Chat Completions and Completions,
 Anthropic Messages, ...), each at its ``POST`` path, streaming (``"stream": true``) or not.
 
+One handler, two shells. :meth:`CompatAPI.prepare` (the body, the stream) and
+:meth:`CompatAPI.complete` (admission, then the answer) return what a request gets as an
+:data:`~sluice.transports.answer.Answer`; a Starlette route per dialect writes it as a
+plain ASGI response, and the native HTTP/1.1 path of ``sluice serve``
+(:mod:`sluice.gateway.protocol`) writes the same answer itself, with the same delivery
+core as native streams.
+
 Each request becomes a stream of the hub like any other, read from its first event and
-rendered in the client's dialect by a :class:`DialectFramer`; how it renders is kept with
-the stream (:class:`~sluice.events.RenderMeta`), so a resume renders the same. Admission is decided before
-the response starts: the handler waits for the stream's first event (``Started``, or the
-``Error`` of a backend that refused the work) and answers a refusal with the right status
-in the dialect's error shape (400 bad request, 404 unknown model, 413 body too large,
-503 + ``Retry-After`` when full, 502 when the backend failed).
+rendered in the client's dialect: the frame cache (:mod:`sluice.transports.frames`)
+encodes its events once, in the producer's append; how it renders is kept with the
+stream (:class:`~sluice.events.RenderMeta`), so a resume renders the same. Admission is
+decided before the response starts: the handler waits for the stream's first event
+(``Started``, or the ``Error`` of a backend that refused the work) and answers a refusal
+with the right status in the dialect's error shape (400 bad request, 404 unknown model,
+413 body too large, 503 + ``Retry-After`` when full, 502 when the backend failed). A
+client that leaves before its answer is written cancels the generation (a
+``"stream": false`` request is then answered 499, which nobody reads).
 
 Resumable streams (opt-in): a request with the header ``X-Sluice-Resumable: true`` gets
 SSE ids (``<stream id>:<n>``, on the last frame an event renders to) and survives a
@@ -21,178 +31,54 @@ clients expect), and the frames carry no ids.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from sluice.dialects.base import ApiDialect, Message, Renderer
-from sluice.dialects.registry import API_DIALECTS, dialect
-from sluice.errors import (
-    BadEventIdError,
-    CapacityError,
-    InvalidParameterError,
-    ResumeGapError,
-    SluiceError,
-)
-from sluice.events import Error, NeutralEvent, RenderMeta
+from sluice.dialects.base import ApiDialect, ParsedRequest
+from sluice.dialects.registry import API_DIALECTS
+from sluice.errors import CapacityError, InvalidParameterError, SluiceError
+from sluice.events import Error, RenderMeta
 from sluice.gateway.auth import RESUME_TOKEN_HEADER, Auth
-from sluice.gateway.errors import (
-    REFUSAL_STATUS,
-    answer_for,
-    retry_after,
-)
-from sluice.gateway.requests import read_json_body, received
+from sluice.gateway.errors import REFUSAL_STATUS, answer_for, retry_after
+from sluice.gateway.requests import check_json_head, parse_json, receive_body, received
 from sluice.gateway.settings import Settings
+from sluice.gateway.streaming import whole_response
 from sluice.observability.metrics import Metrics
-from sluice.sse import encode_event
 from sluice.streams.hub import Stream, StreamHub
-from sluice.streams.log import Batch, EventLog
 from sluice.streams.reader import Reader
+from sluice.transports.answer import Answer, Streamed, Whole, send_answer
 from sluice.transports.asgi import Receive, Scope, Send
-from sluice.transports.sse import SSEOptions, send_event_stream
+from sluice.transports.delivery import DeliveryOptions
+from sluice.transports.disconnect import until_disconnect
+from sluice.transports.frames import FrameCache, encoder_for, frame_source
 
-__all__ = ["RESUMABLE_HEADER", "CompatAPI", "DialectFramer", "framer_for"]
+__all__ = ["RESUMABLE_HEADER", "STREAM_ID_HEADER", "BodyReader", "CompatAPI", "Prepared"]
 
 RESUMABLE_HEADER = "x-sluice-resumable"
 STREAM_ID_HEADER = "X-Sluice-Stream-Id"
 
-
-class DialectFramer:
-    """A reader's records as a dialect's SSE frames; ids only for resumable streams.
-
-    The last frame an event renders to carries the event's id; frames before it carry
-    frame ids (see :mod:`sluice.streams.ids`). ``first`` holds the frames of the first event
-    to come, already rendered and with the ones a resuming client has dropped (it resumed
-    from a frame id); the renderer has seen that event, so it is not rendered again.
-    """
-
-    __slots__ = ("_first", "_refuse", "_renderer", "_stream_id")
-
-    def __init__(
-        self,
-        renderer: Renderer,
-        stream_id: str | None,
-        refuse: Callable[[str, str], Sequence[Message]],
-        first: _RenderedEvent | None = None,
-    ) -> None:
-        self._renderer = renderer
-        self._stream_id = stream_id
-        self._refuse = refuse
-        self._first = first
-
-    def frame(self, batch: Batch) -> bytes:
-        out: list[bytes] = []
-        render = self._renderer.render
-        stream_id = self._stream_id
-        first, self._first = self._first, None
-        for offset, event in enumerate(batch.events):
-            seq = batch.first_seq + offset
-            skip = 0
-            if first is not None and offset == 0 and first.seq == seq:
-                frames, skip = first.frames, first.skip
-            else:
-                frames = render(event)
-            last = len(frames) - 1
-            for i, (name, data) in enumerate(frames):
-                if i < skip:
-                    continue
-                event_id = None
-                if stream_id is not None:
-                    event_id = (
-                        f"{stream_id}:{seq}" if i == last else f"{stream_id}:{seq - 1}.{i + 1}"
-                    )
-                out.append(encode_event(data, event=name, id=event_id))
-        return b"".join(out)
-
-    def refusal(self, code: str, message: str) -> bytes:
-        return b"".join(
-            encode_event(data, event=name) for name, data in self._refuse(code, message)
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class _RenderedEvent:
-    """Event ``seq`` rendered, of which the client already has the first ``skip`` frames."""
-
-    seq: int
-    frames: Sequence[Message]
-    skip: int
-
-
-def framer_for(
-    meta: RenderMeta, log: EventLog, stream_id: str, after_seq: int, skip: int = 0
-) -> DialectFramer:
-    """A framer for a reader of a stream created in ``meta``'s dialect that starts after
-    event ``after_seq`` (and ``skip`` frames of the next one).
-
-    A dialect's frames depend on what came before (OpenAI's first chunk carries the
-    role, Anthropic numbers its content blocks), so the renderer first replays events
-    ``1 .. after_seq`` silently. If those are gone, the reader's own read fails with a
-    resume gap, which :meth:`DialectFramer.refusal` reports. With ``skip``, the next
-    event is rendered here, and a ``skip`` that leaves none of its frames (the client
-    names a frame id ``<after_seq>.<skip>`` that was never sent) raises
-    :class:`~sluice.errors.BadEventIdError` (a 400) before any response starts.
-    """
-    speaker = dialect(meta.dialect)
-    renderer = speaker.renderer(meta)
-    seq = 0
-    first: _RenderedEvent | None = None
-    with contextlib.suppress(ResumeGapError):
-        while seq < after_seq:
-            batch = log.read(stream_id, seq, after_seq - seq)
-            if not batch.events:
-                break
-            for event in batch.events:
-                renderer.render(event)
-            seq = batch.last_seq
-        if skip:
-            first = _partly_sent(renderer, log, stream_id, after_seq, skip)
-
-    def refuse(code: str, message: str) -> Sequence[Message]:
-        return speaker.renderer(meta).render(Error(code, message, retryable=False))[-1:]
-
-    return DialectFramer(renderer, stream_id if meta.resumable else None, refuse, first)
-
-
-def _partly_sent(
-    renderer: Renderer, log: EventLog, stream_id: str, after_seq: int, skip: int
-) -> _RenderedEvent:
-    """Event ``after_seq + 1`` rendered; refuses a ``skip`` past its last frame id."""
-    batch = log.read(stream_id, after_seq, 1)
-    frames = renderer.render(batch.events[0]) if batch.events else ()
-    # Frame k (from 1) of an event is sent as "<after_seq>.<k>" for k below its count;
-    # its last frame carries the event's own id.
-    if skip >= len(frames):
-        raise BadEventIdError(
-            f"Last-Event-ID names frame {skip} of event {after_seq + 1} of stream "
-            f"{stream_id}, which has {max(len(frames) - 1, 0)} frame ids before its own"
-        )
-    return _RenderedEvent(after_seq + 1, frames, skip)
-
+BodyReader = Callable[[int], Awaitable[bytes]]
+"""A request's body, at most ``max_bytes`` of it (``PayloadTooLargeError`` past that)."""
 
 # The codes OpenAI itself puts in ``error.code``; other errors leave it null, as OpenAI does.
 _OPENAI_CODES = frozenset({"model_not_found", "invalid_api_key"})
+# "Client closed request": the answer to a whole request whose client left (nobody reads it).
+_CLIENT_GONE = Whole(499)
 
 
-class _EventStreamResponse(Response):
-    """An SSE response that reads ``reader`` through its framer until the end."""
+@dataclass(slots=True, eq=False)
+class Prepared:
+    """A request's stream, created, with the reader its answer reads it with."""
 
-    def __init__(self, reader: Reader, options: SSEOptions, headers: list[tuple[bytes, bytes]]):
-        super().__init__(status_code=200)
-        self._reader = reader
-        self._options = options
-        self._extra = headers
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send_event_stream(
-            receive, send, self._reader, self._options, extra_headers=self._extra
-        )
+    speaker: ApiDialect
+    parsed: ParsedRequest
+    meta: RenderMeta
+    stream: Stream
+    reader: Reader
 
 
 class CompatAPI:
@@ -202,36 +88,54 @@ class CompatAPI:
         self,
         hub: StreamHub,
         settings: Settings,
-        options: SSEOptions,
+        options: DeliveryOptions,
         metrics: Metrics,
         auth: Auth,
+        frames: FrameCache,
     ) -> None:
         self._hub = hub
         self._settings = settings
-        self._options = options
+        self.options = options
         self._metrics = metrics
         self._auth = auth
+        self._frames = frames
+        self._by_path = {speaker.path: speaker for speaker in API_DIALECTS}
 
     def routes(self) -> list[Route]:
-        """One ``POST`` route per dialect of the registry."""
+        """One ``POST`` route per dialect of the registry (the ASGI shell)."""
         return [
-            Route(speaker.path, functools.partial(self._serve, speaker=speaker), methods=["POST"])
+            Route(speaker.path, _Endpoint(self, speaker), methods=["POST"])
             for speaker in API_DIALECTS
         ]
 
+    def dialect_at(self, path: str) -> ApiDialect | None:
+        """The dialect whose endpoint is ``path``, if any."""
+        return self._by_path.get(path)
+
     # -- one request ----------------------------------------------------------------------
 
-    async def _serve(self, request: Request, *, speaker: ApiDialect) -> Response:
+    async def answer(self, speaker: ApiDialect, scope: Scope, body: BodyReader) -> Answer:
+        """:meth:`prepare`, then :meth:`complete` (the native path: its task is cancelled
+        when the client leaves, which cancels the generation)."""
+        prepared = await self.prepare(speaker, scope, body)
+        if isinstance(prepared, Whole):
+            return prepared
+        return await self.complete(prepared)
+
+    async def prepare(
+        self, speaker: ApiDialect, scope: Scope, body: BodyReader
+    ) -> Prepared | Whole:
+        """Read and parse the body and create the stream; or the refusal."""
         try:
-            tenant = self._auth.creator(request.scope["headers"])
-            payload = await read_json_body(
-                request.scope, request.receive, self._settings.max_body_bytes
-            )
+            tenant = self._auth.creator(scope["headers"])
+            max_bytes = self._settings.max_body_bytes
+            check_json_head(scope, max_bytes)
+            payload = parse_json(await body(max_bytes))
             parsed = speaker.parse(payload, self._settings.request_limits)
-            resumable = request.headers.get(RESUMABLE_HEADER, "").lower() == "true"
+            resumable = _header(scope, RESUMABLE_HEADER.encode()).lower() == b"true"
             stream = await self._hub.create(
                 parsed.model,
-                received(parsed.generation, request.scope),
+                received(parsed.generation, scope),
                 resumable=resumable,
                 tenant=tenant,
             )
@@ -248,95 +152,99 @@ class CompatAPI:
             options=parsed.options,
         )
         stream.render = meta
-        first = await self._hub.first_event(stream.id)
-        if isinstance(first, Error):
-            self._metrics.refusals.labels(first.type).inc()
-            return self._refused(speaker, first, stream.refusal)
+        # Before the producer's first append (it has not run yet): how the cache encodes
+        # this stream; a whole answer needs no frames.
+        self._frames.encode_as(stream.id, encoder_for(meta, stream.id) if parsed.stream else None)
+        # Read from now: a client that leaves during admission cancels the stream.
         reader = self._hub.open_reader(stream.id, 0)
-        if not parsed.stream:
-            return await self._whole(request, speaker, meta, stream, reader)
-        reader.framer = framer_for(meta, self._hub.log, stream.id, 0)
-        headers = [
-            *(
-                (name.lower().encode(), value.encode())
-                for name, value in speaker.headers(meta).items()
-            ),
-            (STREAM_ID_HEADER.lower().encode(), stream.id.encode()),
-            # Resumes (GET /v1/streams/{id}/events?token=) need no key with it.
-            (RESUME_TOKEN_HEADER.lower().encode(), self._auth.tokens.mint(stream.id).encode()),
-        ]
-        return _EventStreamResponse(reader, self._options, headers)
+        return Prepared(speaker, parsed, meta, stream, reader)
 
-    async def _whole(
-        self,
-        request: Request,
-        speaker: ApiDialect,
-        meta: RenderMeta,
-        stream: Stream,
-        reader: Reader,
-    ) -> Response:
-        """``"stream": false``: wait for the end, answer one JSON object."""
-        accumulator = speaker.whole(meta)
+    async def complete(self, prepared: Prepared) -> Answer:
+        """Wait for admission; then the stream to deliver, or the whole answer. Closes the
+        reader unless it hands it over in a :class:`Streamed` answer."""
+        speaker, stream, reader = prepared.speaker, prepared.stream, prepared.reader
+        handed = False
         try:
-            events = await _read_all(reader, request.receive)
+            first = await self._hub.first_event(stream.id)
+            if isinstance(first, Error):
+                self._metrics.refusals.labels(first.type).inc()
+                return self._refused(speaker, first, stream.refusal)
+            if not prepared.parsed.stream:
+                return await self._whole(prepared)
+            frames = frame_source(self._frames, self._hub.log, stream.id, prepared.meta, 0)
+            headers = (
+                *(
+                    (name.lower().encode(), value.encode())
+                    for name, value in speaker.headers(prepared.meta).items()
+                ),
+                (STREAM_ID_HEADER.lower().encode(), stream.id.encode()),
+                # Resumes (GET /v1/streams/{id}/events?token=) need no key with it.
+                (RESUME_TOKEN_HEADER.lower().encode(), self._auth.tokens.mint(stream.id).encode()),
+            )
+            handed = True
+            return Streamed(reader, frames, headers)
         finally:
-            reader.close()  # a client gone before the end cancels a non-resumable stream
-        if events is None:
-            return Response(status_code=499)  # "client closed request"; nobody reads it
-        for event in events:
-            accumulator.feed(event)
+            if not handed:
+                reader.close()  # a client gone before the end cancels a non-resumable stream
+
+    async def _whole(self, prepared: Prepared) -> Whole:
+        """``"stream": false``: wait for the end, answer one JSON object."""
+        accumulator = prepared.speaker.whole(prepared.meta)
+        async for batch in prepared.reader.batches(1024):
+            for event in batch.events:
+                accumulator.feed(event)
         failure = accumulator.error()
         if failure is not None:
             status, body = failure
-            return JSONResponse(body, status_code=status)
-        headers = {STREAM_ID_HEADER: stream.id}
-        return JSONResponse(accumulator.result(), headers=headers)
+            return whole_response(JSONResponse(body, status_code=status))
+        headers = {STREAM_ID_HEADER: prepared.stream.id}
+        return whole_response(JSONResponse(accumulator.result(), headers=headers))
 
     # -- errors in the dialect's shape ----------------------------------------------------
 
-    def _error(self, speaker: ApiDialect, exc: SluiceError) -> Response:
+    def _error(self, speaker: ApiDialect, exc: SluiceError) -> Whole:
         answer = answer_for(exc)
         code = answer.code if answer.code in _OPENAI_CODES else None
         param = exc.param if isinstance(exc, InvalidParameterError) else None
         body = speaker.error_body(answer.status, answer.message, code=code, param=param)
-        return JSONResponse(body, status_code=answer.status, headers=answer.headers)
+        return whole_response(JSONResponse(body, status_code=answer.status, headers=answer.headers))
 
-    def _refused(
-        self, speaker: ApiDialect, error: Error, refusal: CapacityError | None
-    ) -> Response:
+    def _refused(self, speaker: ApiDialect, error: Error, refusal: CapacityError | None) -> Whole:
         status = REFUSAL_STATUS.get(error.type, 500)
         headers = {}
         if status == 503:
             headers["Retry-After"] = retry_after(refusal.retry_after_s if refusal else 1.0)
         body = speaker.error_body(status, error.message, code=error.type)
-        return JSONResponse(body, status_code=status, headers=headers)
+        return whole_response(JSONResponse(body, status_code=status, headers=headers))
 
 
-async def _read_all(reader: Reader, receive: Receive) -> list[NeutralEvent] | None:
-    """Every event of the stream up to its terminal one; ``None`` if the client left."""
-    loop = asyncio.get_running_loop()
-    gone = asyncio.ensure_future(_until_disconnect(receive))
-    events: list[NeutralEvent] = []
-    try:
-        while True:
-            batch = reader.read(1024)
-            events.extend(batch.events)
-            if reader.done:
-                return events
-            if batch.events:
-                continue
-            arrived: asyncio.Future[None] = loop.create_future()
-            reader.watch(arrived)
-            try:
-                await asyncio.wait((arrived, gone), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                reader.unwatch(arrived)
-            if gone.done():
-                return None
-    finally:
-        gone.cancel()
+class _Endpoint:
+    """The ASGI shell of one dialect's endpoint (a Starlette route's app)."""
+
+    __slots__ = ("_api", "_speaker")
+
+    def __init__(self, api: CompatAPI, speaker: ApiDialect) -> None:
+        self._api = api
+        self._speaker = speaker
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        api = self._api
+        prepared = await api.prepare(self._speaker, scope, functools.partial(receive_body, receive))
+        answer: Answer = _CLIENT_GONE
+        if isinstance(prepared, Whole):
+            answer = prepared
+        else:
+            async with until_disconnect(receive) as client:
+                answer = await api.complete(prepared)
+            if client.gone:
+                if isinstance(answer, Streamed):
+                    answer.reader.close()  # it left just as its stream was ready
+                answer = _CLIENT_GONE
+        await send_answer(answer, scope, receive, send, api.options)
 
 
-async def _until_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
+def _header(scope: Scope, name: bytes) -> bytes:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return b""

@@ -32,10 +32,13 @@ from sluice.transports.asgi import Receive, Scope
 
 __all__ = [
     "CreateStreamBody",
+    "check_json_head",
     "check_json_media_type",
     "generation_request",
     "last_event_id",
+    "parse_json",
     "read_json_body",
+    "receive_body",
     "to_generation_request",
 ]
 
@@ -93,6 +96,13 @@ def check_json_media_type(headers: list[tuple[bytes, bytes]]) -> None:
 
 async def read_json_body(scope: Scope, receive: Receive, max_bytes: int) -> object:
     """Read and parse a JSON request body of at most ``max_bytes`` (declared as JSON)."""
+    check_json_head(scope, max_bytes)
+    return parse_json(await receive_body(receive, max_bytes))
+
+
+def check_json_head(scope: Scope, max_bytes: int) -> None:
+    """What is refused of a JSON request before its body is read: a body not declared JSON
+    (415), or declared longer than ``max_bytes`` (413)."""
     check_json_media_type(scope["headers"])
     for name, value in scope["headers"]:
         if name == b"content-length":
@@ -102,6 +112,10 @@ async def read_json_body(scope: Scope, receive: Receive, max_bytes: int) -> obje
                 raise BadRequestError("malformed Content-Length header") from None
             if declared > max_bytes:
                 raise PayloadTooLargeError(f"request body over {max_bytes} bytes")
+
+
+async def receive_body(receive: Receive, max_bytes: int) -> bytes:
+    """An ASGI request's body; :class:`PayloadTooLargeError` past ``max_bytes``."""
     chunks = []
     size = 0
     while True:
@@ -115,7 +129,11 @@ async def read_json_body(scope: Scope, receive: Receive, max_bytes: int) -> obje
         chunks.append(chunk)
         if not message.get("more_body", False):
             break
-    body = b"".join(chunks)
+    return b"".join(chunks)
+
+
+def parse_json(body: bytes) -> object:
+    """A request body as JSON (an empty or malformed one is a 400)."""
     if not body:
         raise BadRequestError("request body is empty; send a JSON object")
     try:

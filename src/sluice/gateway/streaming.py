@@ -1,11 +1,14 @@
 """The SSE endpoints: ``GET /v1/streams/{id}/events`` and ``GET /v1/demo/words``.
 
-:meth:`EventStreams.open` decides what a request gets (a reader, ``None`` for 204, or an
-error); delivery is either the plain ASGI coroutine (:meth:`EventStreams.__call__`, any
-ASGI server) or the callback-driven connection of :mod:`sluice.gateway.protocol`
-(``sluice serve``). Both skip the framework's middleware stack: every coroutine frame and
-wrapper here is multiplied by the number of held streams. So :meth:`EventStreams.open`
-checks the ``Host`` itself, and the responses carry the app's CORS headers.
+:meth:`EventStreams.open` decides what a request gets (a stream to deliver, a 204, or an
+error: an :data:`~sluice.transports.answer.Answer`); the transports write it, either as a
+plain ASGI response (:meth:`EventStreams.__call__`, any ASGI server) or on the native
+HTTP/1.1 path (:mod:`sluice.transports.http1`, ``sluice serve``, through
+:mod:`sluice.gateway.protocol`). Both skip the framework's middleware stack: every
+coroutine frame and wrapper here is multiplied by the number of held streams. So
+:meth:`EventStreams.open` checks the ``Host`` itself, and the responses carry the app's
+CORS headers. The frames a reader gets come from the frame cache
+(:mod:`sluice.transports.frames`): encoded once per event, whoever reads them.
 
 A read that cannot start where it asks, because the log no longer holds that position
 (a fresh read included, when the stream's first events are gone), is answered
@@ -30,7 +33,6 @@ from sluice.errors import (
     SluiceError,
 )
 from sluice.gateway.auth import TOKEN_PARAM, Auth, Caller, presented_token
-from sluice.gateway.compat import framer_for
 from sluice.gateway.cors import CorsPolicy
 from sluice.gateway.errors import response_for
 from sluice.gateway.hosts import HostPolicy
@@ -41,10 +43,13 @@ from sluice.sse import encode_retry
 from sluice.streams.hub import Stream, StreamHub
 from sluice.streams.ids import is_stream_id
 from sluice.streams.reader import Reader
+from sluice.transports.answer import Answer, Streamed, Whole, send_answer
 from sluice.transports.asgi import Receive, Scope, Send
-from sluice.transports.sse import SSE_HEADERS, SSEOptions, send_event_stream
+from sluice.transports.delivery import DeliveryOptions
+from sluice.transports.frames import FrameCache, FrameSource, frame_source
+from sluice.transports.sse import SSE_HEADERS
 
-__all__ = ["EventStreams", "refusal"]
+__all__ = ["EventStreams", "refusal", "whole_response"]
 
 # The demo's default pace: slow enough to watch words arrive one by one.
 _DEMO_INTERVAL_MS = 50.0
@@ -65,14 +70,16 @@ class EventStreams:
         *,
         cors: CorsPolicy,
         hosts: HostPolicy,
+        frames: FrameCache,
     ) -> None:
         self._hub = hub
+        self._frames = frames
         self._settings = settings
         self._metrics = metrics
         self._auth = auth
         self._cors = cors
         self._hosts = hosts
-        self.options = SSEOptions(
+        self.options = DeliveryOptions(
             heartbeat_interval_s=settings.heartbeat_interval_s,
             retry_ms=settings.retry_ms,
             max_batch_records=settings.max_batch_records,
@@ -96,8 +103,20 @@ class EventStreams:
         """The app's CORS headers for an SSE response to this request."""
         return self._cors.response_headers(scope["headers"])
 
-    async def open(self, scope: Scope) -> Reader | None:
-        """The reader a request gets, or ``None`` when nothing is left (answer 204).
+    async def open(self, scope: Scope) -> Answer:
+        """What a request gets: its stream (with the app's CORS headers), a ``204`` when
+        nothing is left (EventSource then stops reconnecting), or an error answer."""
+        try:
+            opened = await self._open_request(scope)
+        except SluiceError as exc:
+            return refusal(exc)
+        if opened is None:
+            return _NO_CONTENT
+        reader, frames = opened
+        return Streamed(reader, frames, self.cors_headers(scope))
+
+    async def _open_request(self, scope: Scope) -> tuple[Reader, FrameSource] | None:
+        """The reader a request gets and its frames, or ``None`` when nothing is left.
 
         Raises :class:`~sluice.errors.SluiceError` for requests that get an error answer.
         """
@@ -126,30 +145,31 @@ class EventStreams:
         """The stream, if ``caller`` may read it; else exactly what an unknown id gets."""
         return self._auth.find(self._hub.get, stream_id, caller)
 
-    def _open(self, stream: Stream, after_seq: int, frames: int) -> Reader | None:
-        last_seq = self._hub.log.last_seq(stream.id)
+    def _open(self, stream: Stream, after_seq: int, skip: int) -> tuple[Reader, FrameSource] | None:
+        log = self._hub.log
+        last_seq = log.last_seq(stream.id)
         if after_seq > last_seq:
             raise BadEventIdError(
                 f"Last-Event-ID names event {after_seq}, but stream {stream.id} has {last_seq}"
             )
         meta = stream.render
-        if frames and (meta is None or after_seq >= last_seq):
+        if skip and (meta is None or after_seq >= last_seq):
             raise BadEventIdError(f"Last-Event-ID names a frame stream {stream.id} never sent")
         if stream.is_terminal and after_seq >= last_seq:
             return None
         try:
-            self._hub.log.read(stream.id, after_seq, 1)  # is the position still retained?
+            log.read(stream.id, after_seq, 1)  # is the position still retained?
         except ResumeGapError:
             self._metrics.resume_gaps.inc()
             raise
-        reader = self._hub.open_reader(stream.id, after_seq)
-        if meta is not None:  # a compatible stream resumes in its dialect
-            reader.framer = framer_for(meta, self._hub.log, stream.id, after_seq, frames)
-        return reader
+        # A compatible stream resumes in its dialect; a frame id it never sent is refused
+        # here, before the reader exists.
+        frames = frame_source(self._frames, log, stream.id, meta, after_seq, skip)
+        return self._hub.open_reader(stream.id, after_seq), frames
 
     def _resume(
         self, position: tuple[str, int, int], stream_id: str | None, caller: Caller
-    ) -> Reader | None:
+    ) -> tuple[Reader, FrameSource] | None:
         position_stream, after_seq, frames = position
         if stream_id is not None and position_stream != stream_id:
             raise BadEventIdError(
@@ -159,7 +179,9 @@ class EventStreams:
         self._metrics.resumes.inc()
         return self._open(stream, after_seq, frames)
 
-    async def _start_words(self, query: dict[str, list[str]], tenant: str) -> Reader | None:
+    async def _start_words(
+        self, query: dict[str, list[str]], tenant: str
+    ) -> tuple[Reader, FrameSource]:
         texts = query.get("text")
         if not texts:
             raise BadRequestError("text: required query parameter")
@@ -177,28 +199,19 @@ class EventStreams:
             resumable=True,
             tenant=tenant,
         )
-        return self._hub.open_reader(stream.id, 0)
+        frames = frame_source(self._frames, self._hub.log, stream.id, None, 0)
+        return self._hub.open_reader(stream.id, 0), frames
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve one SSE request as a plain ASGI app."""
-        try:
-            reader = await self.open(scope)
-        except SluiceError as exc:
-            status, headers, body = refusal(exc)
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
-            return
-        if reader is None:
-            # 204 tells EventSource the stream is over: it stops reconnecting.
-            await Response(status_code=204)(scope, receive, send)
-            return
-        await send_event_stream(
-            receive, send, reader, self.options, extra_headers=self.cors_headers(scope)
-        )
+        await send_answer(await self.open(scope), scope, receive, send, self.options)
 
 
-def refusal(exc: SluiceError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    """How an SSE read answers an error: status, headers, whole body.
+_NO_CONTENT = Whole(204)
+
+
+def refusal(exc: SluiceError) -> Whole:
+    """How an SSE read answers an error.
 
     A transient refusal (a full or draining server) is a ``200`` whose body is only a
     jittered ``retry:`` hint: EventSource treats any other status as final and stops
@@ -206,11 +219,13 @@ def refusal(exc: SluiceError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     """
     if isinstance(exc, CapacityError):
         retry_ms = round(exc.retry_after_s * 1000 * random.uniform(1.0, 1.5))
-        body = encode_retry(retry_ms)
-        headers = [*SSE_HEADERS, (b"content-length", str(len(body)).encode())]
-        return 200, headers, body
-    response = response_for(exc)
-    return response.status_code, list(response.raw_headers), bytes(response.body)
+        return Whole(200, SSE_HEADERS, encode_retry(retry_ms))
+    return whole_response(response_for(exc))
+
+
+def whole_response(response: Response) -> Whole:
+    """A Starlette response with a body as a transport's :class:`Whole` answer."""
+    return Whole(response.status_code, tuple(response.raw_headers), bytes(response.body))
 
 
 def _number(query: dict[str, list[str]], name: str) -> float | None:

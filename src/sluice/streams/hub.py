@@ -71,7 +71,7 @@ from sluice.events import (
 from sluice.streams.budget import LOG_MEMORY, TENANT_LOG_BYTES, LogBudget
 from sluice.streams.ids import new_stream_id
 from sluice.streams.log import EventLog
-from sluice.streams.reader import DeliveryObserver, Reader
+from sluice.streams.reader import DeliveryObserver, Reader, wait_for_record
 from sluice.streams.sizing import LOG_BYTES
 from sluice.streams.state import TERMINAL_STATES, StreamState, next_state
 
@@ -405,7 +405,6 @@ class StreamHub:
     async def first_event(self, stream_id: str) -> NeutralEvent:
         """The stream's first event, once it exists: ``Started``, or the ``Error`` of a
         backend that refused the work (see ``Generation.start``)."""
-        loop = asyncio.get_running_loop()
         stream = self._streams.get(stream_id)
         while True:
             try:
@@ -417,12 +416,7 @@ class StreamHub:
                 return stream.started
             if batch.events:
                 return batch.events[0]
-            arrived: asyncio.Future[None] = loop.create_future()
-            self._log.watch(stream_id, 0, arrived)
-            try:
-                await arrived
-            finally:
-                self._log.unwatch(stream_id, arrived)
+            await wait_for_record(self._log, stream_id, 0)
 
     def get(self, stream_id: str) -> Stream:
         stream = self._streams.get(stream_id)

@@ -19,9 +19,13 @@ Contract:
   a record with ``seq > after_seq`` exists, at once if one already does, or when the log is
   deleted. ``unwatch`` forgets it. Waiters are futures, not tasks: a held idle reader costs
   one future.
+- A log holds neutral events only, never wire bytes. A layer above may keep something
+  beside each record (the delivery layer's encoded frames, see
+  :class:`LogObserver`): the log tells it of every append, trim and delete, and counts
+  what it holds for a record in the log's bytes, so one budget bounds both.
 - A log is bounded in records and bytes: the oldest records are dropped first, never the
   newest. Bytes are what the records hold in memory (:mod:`sluice.streams.sizing`: the
-  events and, where kept, their frames), not their length on the wire.
+  events, and what its observer keeps beside them), not their length on the wire.
 - ``num_bytes`` is what one stream's log holds now, its own overhead included;
   ``trim(max_bytes)`` drops the stream's oldest records until it holds at most
   ``max_bytes`` (or only its newest record). The hub's server-wide budget and tenant caps
@@ -38,7 +42,7 @@ from typing import Protocol
 
 from sluice.events import NeutralEvent
 
-__all__ = ["Batch", "EventLog", "LogLimits", "Waiter"]
+__all__ = ["Batch", "EventLog", "LogLimits", "LogObserver", "Waiter"]
 
 
 class Waiter(Protocol):
@@ -55,13 +59,11 @@ class Waiter(Protocol):
 class Batch:
     """Consecutive records of one stream: event ``first_seq + i`` is ``events[i]``.
 
-    ``frames[i]`` is the native SSE frame of ``events[i]``, encoded once when it was
-    appended. A batch is read in one go, so its cost is paid per read, not per event.
+    A batch is read in one go, so its cost is paid per read, not per event.
     """
 
     first_seq: int
     events: Sequence[NeutralEvent]
-    frames: Sequence[bytes]
 
     def __len__(self) -> int:
         return len(self.events)
@@ -79,14 +81,42 @@ class LogLimits:
     # A long generation is a few thousand tokens; 100k events leave room for coalescing-free
     # tool-call fragments without letting one stream take unbounded memory.
     max_records: int = 100_000
-    # A one-word token's record (event and frame) holds about 240 bytes, one of 40
-    # characters about 300 (see sluice.streams.sizing): 32 MiB holds a whole 100k-event
-    # stream of such tokens.
+    # A one-word token's record (event, and the native frame the delivery layer keeps
+    # beside it) holds about 240 bytes, one of 40 characters about 300 (see
+    # sluice.streams.sizing): 32 MiB holds a whole 100k-event stream of such tokens.
     max_bytes: int = 32 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.max_records < 1 or self.max_bytes < 1:
             raise ValueError("log limits must be positive")
+
+
+class LogObserver(Protocol):
+    """What keeps something beside a log's records (the delivery layer's frame cache:
+    each record's encoded frames), told of every change to the log.
+
+    The log counts what it holds for a record in that stream's bytes (``num_bytes``, and
+    so in the hub's budget) and drops it with the record: trimmed records first leave the
+    count, then :meth:`trimmed` tells the observer. Calls are synchronous, quick and must
+    not raise.
+    """
+
+    def appended(self, stream_id: str, first_seq: int, events: Sequence[NeutralEvent]) -> int:
+        """``events`` were appended as ``first_seq``, ``first_seq + 1`` ...; return the
+        bytes now held beside them (0 for a stream it keeps nothing for)."""
+        ...
+
+    def record_bytes(self, stream_id: str, seq: int) -> int:
+        """What it holds beside record ``seq`` (what dropping the record frees)."""
+        ...
+
+    def trimmed(self, stream_id: str, first_seq: int) -> None:
+        """The records before ``first_seq`` were dropped."""
+        ...
+
+    def deleted(self, stream_id: str) -> None:
+        """The stream's log was deleted."""
+        ...
 
 
 class EventLog(Protocol):

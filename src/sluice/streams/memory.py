@@ -1,33 +1,32 @@
-"""In-process event log: the default store, two Python lists per stream.
+"""In-process event log: the default store, one Python list of neutral events per stream.
 
-Each stream keeps its neutral events and their native SSE frames side by side (no object
-per record); frames are encoded once, at append, and readers join them as they are.
-Waiters are futures kept in a per-stream list and resolved by the next append.
+Waiters are futures (or connections) kept in a per-stream list and resolved by the next
+append. The log holds events only; an observer (:class:`~sluice.streams.log.LogObserver`,
+the delivery layer's frame cache) is told of every append, trim and delete, and what it
+keeps beside a record is counted with the record.
 
-Bytes are the estimate of :mod:`sluice.streams.sizing` (events and frames, as held), so the
-per-stream bound and the hub's server-wide budget count what the process really holds.
+Bytes are the estimate of :mod:`sluice.streams.sizing` (the events, plus what the observer
+holds beside them), so the per-stream bound and the hub's server-wide budget count what
+the process really holds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sluice.dialects import native
 from sluice.errors import ResumeGapError, StreamNotFoundError
 from sluice.events import NeutralEvent
-from sluice.streams.ids import event_id
-from sluice.streams.log import Batch, LogLimits, Waiter
-from sluice.streams.sizing import LOG_BYTES, record_bytes
+from sluice.streams.log import Batch, LogLimits, LogObserver, Waiter
+from sluice.streams.sizing import LOG_BYTES, event_bytes
 
 __all__ = ["MemoryEventLog"]
 
 
 class _Log:
-    __slots__ = ("events", "first_seq", "frames", "num_bytes", "waiters")
+    __slots__ = ("events", "first_seq", "num_bytes", "waiters")
 
     def __init__(self) -> None:
         self.events: list[NeutralEvent] = []
-        self.frames: list[bytes] = []
         self.first_seq = 1  # seq of events[0] (or of the next event, when empty)
         self.num_bytes = 0  # of the records (see sluice.streams.sizing), not LOG_BYTES
         self.waiters: list[Waiter] = []
@@ -36,8 +35,11 @@ class _Log:
 class MemoryEventLog:
     """An :class:`~sluice.streams.log.EventLog` in this process's memory."""
 
-    def __init__(self, limits: LogLimits | None = None) -> None:
+    def __init__(
+        self, limits: LogLimits | None = None, observer: LogObserver | None = None
+    ) -> None:
         self._limits = limits or LogLimits()
+        self._observer = observer
         self._logs: dict[str, _Log] = {}
         self._total_bytes = 0
 
@@ -60,50 +62,55 @@ class MemoryEventLog:
         log = self._logs.get(stream_id)
         if log is None:
             raise StreamNotFoundError(stream_id)
-        frames = log.frames
-        seq = log.first_seq + len(frames)
+        stored = log.events
+        first_seq = log.first_seq + len(stored)
         num_bytes = log.num_bytes
-        frame_of = native.frame
-        size_of = record_bytes
         for event in events:
-            frame = frame_of(event, event_id(stream_id, seq))
-            frames.append(frame)
-            num_bytes += size_of(event, frame)
-            seq += 1
+            num_bytes += event_bytes(event)
+        stored.extend(events)
+        observer = self._observer
+        if observer is not None:
+            num_bytes += observer.appended(stream_id, first_seq, events)
         self._total_bytes += num_bytes - log.num_bytes
         log.num_bytes = num_bytes
-        log.events.extend(events)
         limits = self._limits
-        if len(frames) > limits.max_records or num_bytes > limits.max_bytes:
+        if len(stored) > limits.max_records or num_bytes > limits.max_bytes:
             # Drop a tenth of the bound more than needed, so trimming is amortised O(1).
             self._trim(
+                stream_id,
                 log,
                 limits.max_records - limits.max_records // 10,
                 limits.max_bytes - limits.max_bytes // 10,
             )
         if log.waiters:
             self._wake(log)
-        return seq - 1
+        return first_seq + len(events) - 1
 
-    def _trim(self, log: _Log, keep_records: int, keep_bytes: int) -> None:
+    def _record_bytes(self, stream_id: str, log: _Log, index: int) -> int:
+        num_bytes = event_bytes(log.events[index])
+        if self._observer is not None:
+            num_bytes += self._observer.record_bytes(stream_id, log.first_seq + index)
+        return num_bytes
+
+    def _trim(self, stream_id: str, log: _Log, keep_records: int, keep_bytes: int) -> None:
         """Drop the oldest records until at most ``keep_records`` of at most ``keep_bytes``
         remain, but never the newest record."""
-        frames = log.frames
         events = log.events
-        drop = max(0, len(frames) - keep_records)
+        drop = max(0, len(events) - keep_records)
         num_bytes = log.num_bytes
         for i in range(drop):
-            num_bytes -= record_bytes(events[i], frames[i])
-        while drop < len(frames) - 1 and num_bytes > keep_bytes:
-            num_bytes -= record_bytes(events[drop], frames[drop])
+            num_bytes -= self._record_bytes(stream_id, log, i)
+        while drop < len(events) - 1 and num_bytes > keep_bytes:
+            num_bytes -= self._record_bytes(stream_id, log, drop)
             drop += 1
         if not drop:
             return
-        del frames[:drop]
         del events[:drop]
         log.first_seq += drop
         self._total_bytes -= log.num_bytes - num_bytes
         log.num_bytes = num_bytes
+        if self._observer is not None:
+            self._observer.trimmed(stream_id, log.first_seq)
 
     def num_bytes(self, stream_id: str) -> int:
         return LOG_BYTES + self._get(stream_id).num_bytes
@@ -115,23 +122,22 @@ class MemoryEventLog:
 
     def trim(self, stream_id: str, max_bytes: int) -> None:
         log = self._get(stream_id)
-        self._trim(log, len(log.frames), max_bytes - LOG_BYTES)
+        self._trim(stream_id, log, len(log.events), max_bytes - LOG_BYTES)
 
     def read(self, stream_id: str, after_seq: int, max_records: int) -> Batch:
         log = self._get(stream_id)
         start = after_seq + 1 - log.first_seq
         if start < 0:
             raise ResumeGapError(stream_id, after_seq, log.first_seq)
-        end = start + max_records
-        return Batch(after_seq + 1, log.events[start:end], log.frames[start:end])
+        return Batch(after_seq + 1, log.events[start : start + max_records])
 
     def last_seq(self, stream_id: str) -> int:
         log = self._get(stream_id)
-        return log.first_seq + len(log.frames) - 1
+        return log.first_seq + len(log.events) - 1
 
     def watch(self, stream_id: str, after_seq: int, waiter: Waiter) -> None:
         log = self._logs.get(stream_id)
-        if log is None or log.first_seq + len(log.frames) - 1 > after_seq:
+        if log is None or log.first_seq + len(log.events) - 1 > after_seq:
             if not waiter.done():
                 waiter.set_result(None)
             return
@@ -150,6 +156,8 @@ class MemoryEventLog:
         if log is None:
             return
         self._total_bytes -= LOG_BYTES + log.num_bytes
+        if self._observer is not None:
+            self._observer.deleted(stream_id)
         self._wake(log)
 
     async def aclose(self) -> None:

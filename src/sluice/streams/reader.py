@@ -3,17 +3,23 @@
 A reader replays the log after its position and then follows it live. It never blocks the
 producer or other readers: it only reads what the log retains. Closing it tells the hub the
 reader left (which may cancel the stream or start its grace window).
+
+Two ways to follow the log, one mechanism: a callback-driven connection is its own
+:class:`~sluice.streams.log.Waiter` (:meth:`Reader.watch`, no future while idle); a
+coroutine awaits :meth:`Reader.wait` or iterates :meth:`Reader.batches`. "Read, else wait
+for the log" is written here once (:func:`wait_for_record`), for readers and for the hub.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from sluice.events import is_terminal
 from sluice.streams.log import Batch, EventLog, Waiter
 
-__all__ = ["DeliveryObserver", "Framer", "Reader"]
+__all__ = ["DeliveryObserver", "Reader", "wait_for_record"]
 
 
 class DeliveryObserver(Protocol):
@@ -30,16 +36,21 @@ class DeliveryObserver(Protocol):
         previous such write to the same connection (one call per write, not per event)."""
 
 
-class Framer(Protocol):
-    """Turns a reader's records into the bytes of a non-native dialect's SSE frames."""
-
-    def frame(self, batch: Batch) -> bytes:
-        """The frames of ``batch``'s events, in order (may be empty)."""
-        ...
-
-    def refusal(self, code: str, message: str) -> bytes:
-        """A terminal in-band error outside the log (for example ``resume_gap``)."""
-        ...
+async def wait_for_record(
+    log: EventLog, stream_id: str, after_seq: int, timeout_s: float | None = None
+) -> bool:
+    """Wait until the log holds a record after ``after_seq`` (or the stream's log is
+    gone); False when ``timeout_s`` passed first. One future, watched and unwatched here."""
+    waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    log.watch(stream_id, after_seq, waiter)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await waiter
+    except TimeoutError:
+        return False
+    finally:
+        log.unwatch(stream_id, waiter)
+    return True
 
 
 class Reader:
@@ -53,7 +64,6 @@ class Reader:
         "after_seq",
         "delivery",
         "done",
-        "framer",
         "interrupted",
         "model",
         "stream_id",
@@ -72,15 +82,17 @@ class Reader:
         self.stream_id = stream_id
         self.model = model  # the stream's model, for the delivery observer's labels
         self.after_seq = after_seq
-        self.done = False  # the terminal event has been read
+        self.done = False  # the terminal event has been read (or nothing more can come)
         self.interrupted = False  # the server asked this connection to drop (clients resume)
-        # Renders batches in a dialect other than the native one (the log's own frames).
-        self.framer: Framer | None = None
         # Where the transport reports timeouts and coalescing (the hub's observer).
         self.delivery: DeliveryObserver | None = None
         self._waiter: Waiter | None = None
         self._on_close = on_close
         self._closed = False
+
+    @property
+    def log(self) -> EventLog:
+        return self._log
 
     def read(self, max_records: int) -> Batch:
         """The next records after the reader's position (possibly none); advances it."""
@@ -100,14 +112,51 @@ class Reader:
         self._waiter = None
         self._log.unwatch(self.stream_id, waiter)
 
+    async def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait until a record after the reader's position exists, the log is gone, or the
+        reader is woken (:meth:`wake`, :meth:`interrupt`); False when ``timeout_s`` passed
+        first."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.watch(waiter)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await waiter
+        except TimeoutError:
+            return False
+        finally:
+            self.unwatch(waiter)
+        return True
+
+    async def batches(self, max_records: int) -> AsyncIterator[Batch]:
+        """Every batch up to the terminal event, waiting for the log in between; ends early
+        when the reader is interrupted. Raises what :meth:`read` raises."""
+        while not self.done:
+            batch = self.read(max_records)
+            if batch.events:
+                yield batch
+            elif self.interrupted:
+                return
+            else:
+                await self.wait()
+
+    def wake(self) -> None:
+        """Resolve the waiter the reader is watching with now, if any (the caller has
+        something else to look at: a client gone, a shutdown)."""
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
     def interrupt(self) -> None:
         """Ask the connection to end now, without the terminal event, so its client resumes."""
         self.interrupted = True
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        self.wake()
 
     def close(self) -> None:
         """Detach from the stream (idempotent)."""
         if not self._closed:
             self._closed = True
             self._on_close(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed

@@ -1,8 +1,11 @@
 """What a log's records cost in memory: the estimate every byte bound of the logs counts.
 
-A record is a neutral event (a frozen dataclass with its strings) and, while the log keeps
-wire frames, its native SSE frame (a ``bytes``). Counting only ``len(frame)`` undercounts
-by about three: a one-word token's frame is 72 bytes, but the record holds about 240.
+A record is a neutral event (a frozen dataclass with its strings) held by the log, and,
+beside it, what the delivery layer's frame cache keeps for it (its encoded SSE frame, a
+``bytes``; see :class:`~sluice.streams.log.LogObserver`). The log counts
+:func:`event_bytes` per event and the cache :func:`frame_bytes` per frame; both land in the
+log's ``num_bytes``. Counting only ``len(frame)`` would undercount by about three: a
+one-word token's frame is 72 bytes, but the record and its frame hold about 240.
 
 The constants were measured on CPython 3.11 (64-bit) by holding a million records in two
 lists and reading the process's RSS before and after (``tracemalloc`` reports requested
@@ -17,10 +20,9 @@ token text                    estimate   RSS growth
 ``"ééééé"`` (Latin-1)         290        289
 ============================  =========  ==========
 
-The estimate is per record, from what the log sees (the event, and the frame if it keeps
-one), so it stays right when a log stores events only: it then counts
-:func:`event_bytes` alone. :func:`record_bytes` is the one a log calls per record: a
-token's is worked out without a call per object (it costs less than encoding the frame).
+(event and native frame together). Both functions are called once per record on the hot
+path, so a token's and a frame's are worked out without a call per object (they cost less
+than encoding the frame). :func:`record_bytes` is their sum.
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ _TEXT_DELTA_BYTES = 48
 # ``sys.getsizeof("")`` and ``sys.getsizeof(b"")`` (an ASCII str, a bytes: header and NUL).
 _ASCII_STR_BYTES = 49
 _BYTES_BYTES = 33
-# A token's record beside its two variable blocks: the event and two list slots.
-_TOKEN_BYTES = _TEXT_DELTA_BYTES + 2 * _SLOT_BYTES
-# What one stream's log costs before its first record: its record object, three empty
-# lists and its dict entry (374 bytes measured with tracemalloc, rounded up).
+# A token's record beside its text: the event and its list slot.
+_TOKEN_BYTES = _TEXT_DELTA_BYTES + _SLOT_BYTES
+# What one stream's log costs before its first record: its record object, two empty lists
+# and its dict entry, and the frame cache's entry for the stream (an object, a list and a
+# dict entry): about 450 bytes measured with tracemalloc, rounded up.
 LOG_BYTES = 512
 
 
@@ -60,7 +63,11 @@ def _block(num_bytes: int) -> int:
 def event_bytes(event: NeutralEvent) -> int:
     """The memory a log's record of ``event`` holds: the object, its strings and its slot."""
     if type(event) is TextDelta:  # the hot path: one per token
-        return _TEXT_DELTA_BYTES + _SLOT_BYTES + _block(sys.getsizeof(event.text))
+        text = event.text
+        size = _ASCII_STR_BYTES + len(text) if text.isascii() else sys.getsizeof(text)
+        if size <= _SMALL_OBJECT_BYTES:
+            return _TOKEN_BYTES + ((size + 15) & -16)
+        return _TOKEN_BYTES + _block(size)
     total = _block(sys.getsizeof(event)) + _SLOT_BYTES
     for name in event.__slots__:
         value = getattr(event, name)
@@ -71,17 +78,13 @@ def event_bytes(event: NeutralEvent) -> int:
 
 
 def frame_bytes(frame: bytes) -> int:
-    """The memory a log's copy of one encoded frame holds, with its slot."""
-    return _block(sys.getsizeof(frame)) + _SLOT_BYTES
+    """The memory a cache's copy of one encoded frame holds, with its slot."""
+    size = _BYTES_BYTES + len(frame)  # sys.getsizeof of a bytes, without the call
+    if size <= _SMALL_OBJECT_BYTES:
+        return _SLOT_BYTES + ((size + 15) & -16)
+    return _SLOT_BYTES + _block(size)
 
 
 def record_bytes(event: NeutralEvent, frame: bytes) -> int:
-    """``event_bytes(event) + frame_bytes(frame)``: what a log holding both holds."""
-    if type(event) is TextDelta:
-        text = event.text
-        text_size = _ASCII_STR_BYTES + len(text) if text.isascii() else sys.getsizeof(text)
-        frame_size = _BYTES_BYTES + len(frame)
-        if text_size <= _SMALL_OBJECT_BYTES and frame_size <= _SMALL_OBJECT_BYTES:
-            return _TOKEN_BYTES + ((text_size + 15) & -16) + ((frame_size + 15) & -16)
-        return _TOKEN_BYTES + _block(text_size) + _block(frame_size)
+    """``event_bytes(event) + frame_bytes(frame)``: a record and the frame kept beside it."""
     return event_bytes(event) + frame_bytes(frame)

@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Callable
 from typing import cast
 
-from sluice.gateway.deadline import ReadDeadline, ReadPhase
+from sluice.transports.http1.deadline import ReadDeadline, ReadPhase
 
 
 class _Timer:
