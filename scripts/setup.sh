@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up Sluice in ./.venv; idempotent. `scripts/setup.sh --test` also installs what the
 # test suite needs: the test and bench extras (tests/bench runs every benchmark in its
-# --quick mode) and Debian's Chromium for the browser tests.
+# --quick mode), the LiteLLM proxy in its own ./.venv-litellm (bench/proxy_overhead.py's
+# peer hop; it pins its own openai and many more) and Debian's Chromium for the browser
+# tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,6 +32,8 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 if ((want_test)); then
     .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,bench]"
+    # Pinned in bench/litellm_peer.py; a no-op when that version is already there.
+    .venv/bin/python bench/litellm_peer.py
 else
     .venv/bin/python -m pip install -q --disable-pip-version-check -e .
 fi
