@@ -14,6 +14,7 @@ errors are translated at the boundary (``raise ... from exc``) into one of these
     │   ├── IllegalTransitionError    a state change the state table forbids
     │   └── ResumeGapError            the asked position is no longer retained
     ├── BadRequestError               client input that fails validation
+    │   ├── InvalidParameterError     a request field with a bad value; carries ``param``
     │   ├── BadEventIdError           a malformed ``Last-Event-ID`` or stream id
     │   └── UnknownModelError         a model this server does not serve
     ├── BackendError                  a backend failed while generating
@@ -32,6 +33,7 @@ __all__ = [
     "ConfigError",
     "EventTooLargeError",
     "IllegalTransitionError",
+    "InvalidParameterError",
     "LineTooLongError",
     "ProtocolError",
     "ResumeGapError",
@@ -118,6 +120,14 @@ class ResumeGapError(StreamError):
 
 class BadRequestError(SluiceError):
     """Client input that fails validation; the message says what was wrong."""
+
+
+class InvalidParameterError(BadRequestError):
+    """A request field with a bad value; ``param`` names it (OpenAI reports it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class BadEventIdError(BadRequestError):

@@ -15,6 +15,7 @@ __all__ = [
     "FinishReason",
     "Finished",
     "NeutralEvent",
+    "RenderMeta",
     "Started",
     "TextDelta",
     "ToolCallDelta",
@@ -99,3 +100,28 @@ _TERMINAL_TYPES = (Finished, Error)
 def is_terminal(event: NeutralEvent) -> bool:
     """True for the events that end a stream."""
     return type(event) in _TERMINAL_TYPES  # exact types: cheaper than isinstance, per batch
+
+
+@dataclass(frozen=True, slots=True)
+class RenderMeta:
+    """How one stream renders in its dialect (see :mod:`sluice.dialects`), fixed at
+    creation and kept with the stream; plain values only, so a shared registry (Redis) can
+    hold it. The hub only keeps it: no layer below the dialects reads it.
+
+    ``dialect`` is the registry name. ``options`` holds what a dialect alone needs (for
+    example the Responses API's ``instructions``), as sorted ``(name, value)`` pairs.
+    """
+
+    dialect: str
+    response_id: str
+    model: str
+    created: int
+    resumable: bool
+    include_usage: bool = False
+    options: tuple[tuple[str, str], ...] = ()
+
+    def option(self, name: str, default: str = "") -> str:
+        for key, value in self.options:
+            if key == name:
+                return value
+        return default

@@ -5,7 +5,7 @@ A chat request becomes ``POST /chat/completions`` with ``messages``, a text requ
 ``POST /completions`` with ``prompt``; both ask for ``stream: true`` and the usage chunk.
 Sampling fields go only when set. Tool calling goes in OpenAI's own shape, whichever
 dialect the client spoke (an Anthropic request was turned into these values already, see
-:mod:`sluice.gateway.compat_tools`):
+:mod:`sluice.dialects.tools`):
 
 - ``tools`` as ``{"type": "function", "function": {name, description?, parameters?,
   strict?}}``; ``tool_choice`` as ``"auto"``/``"none"``/``"required"`` or

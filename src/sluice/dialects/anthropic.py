@@ -57,6 +57,7 @@ from dataclasses import dataclass
 
 import orjson
 
+from sluice.dialects.base import ParsedRequest, RenderMeta, RequestLimits
 from sluice.dialects.common import (
     SHARED_TYPE_BY_STATUS,
     Failure,
@@ -64,6 +65,7 @@ from sluice.dialects.common import (
     dumps,
     failure_of,
 )
+from sluice.dialects.requests import parse_anthropic_messages
 from sluice.errors import ProtocolError
 from sluice.events import (
     Error,
@@ -76,7 +78,7 @@ from sluice.events import (
     Usage,
 )
 
-__all__ = ["Accumulator", "MessagesRenderer", "error_body", "error_type_for_status"]
+__all__ = ["DIALECT", "Accumulator", "MessagesRenderer", "error_body", "error_type_for_status"]
 
 _STOP_REASON = {
     FinishReason.STOP: "end_turn",
@@ -361,3 +363,34 @@ class Accumulator(WholeResponse):
 
     def _failure_body(self, failure: Failure) -> dict[str, object]:
         return _failure_body(failure)
+
+
+class _AnthropicMessages:
+    """The Anthropic Messages API, ``POST /v1/messages``, as a dialect."""
+
+    __slots__ = ()
+
+    name = "anthropic"
+    path = "/v1/messages"
+    response_id_prefix = "msg_"
+    retry_hint = False  # see sluice.dialects.base.Dialect.retry_hint
+
+    def parse(self, payload: object, limits: RequestLimits) -> ParsedRequest:
+        return parse_anthropic_messages(payload, limits)
+
+    def renderer(self, meta: RenderMeta) -> MessagesRenderer:
+        return MessagesRenderer(message_id=meta.response_id, model=meta.model)
+
+    def whole(self, meta: RenderMeta) -> Accumulator:
+        return Accumulator(message_id=meta.response_id, model=meta.model)
+
+    def error_body(
+        self, status: int, message: str, *, code: str | None = None, param: str | None = None
+    ) -> dict[str, object]:
+        return error_body(message, type=error_type_for_status(status))
+
+    def headers(self, meta: RenderMeta) -> Mapping[str, str]:
+        return {}
+
+
+DIALECT = _AnthropicMessages()

@@ -22,7 +22,7 @@ from typing import Protocol
 
 from sluice.backends.base import GenerationRequest
 from sluice.errors import ConfigError
-from sluice.events import NeutralEvent
+from sluice.events import NeutralEvent, RenderMeta
 
 __all__ = [
     "ApiDialect",
@@ -37,30 +37,6 @@ __all__ = [
 
 Message = tuple[str | None, str]
 """One message of a dialect: its event name (``None``: unnamed) and its data text."""
-
-
-@dataclass(frozen=True, slots=True)
-class RenderMeta:
-    """How one stream renders in its dialect, fixed at creation; plain values only, so a
-    shared registry (Redis) can hold it.
-
-    ``dialect`` is the registry name. ``options`` holds what a dialect alone needs (for
-    example the Responses API's ``instructions``), as sorted ``(name, value)`` pairs.
-    """
-
-    dialect: str
-    response_id: str
-    model: str
-    created: int
-    resumable: bool
-    include_usage: bool = False
-    options: tuple[tuple[str, str], ...] = ()
-
-    def option(self, name: str, default: str = "") -> str:
-        for key, value in self.options:
-            if key == name:
-                return value
-        return default
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,11 +17,12 @@ appended to the log, and written as is to every reader.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
 
+from sluice.dialects.base import Message, RenderMeta
 from sluice.events import (
     Error,
     Finished,
@@ -33,7 +34,7 @@ from sluice.events import (
 )
 from sluice.sse import EventEncoder, encode_event
 
-__all__ = ["error_frame", "frame", "render"]
+__all__ = ["DIALECT", "error_frame", "frame", "render"]
 
 _encode_token = EventEncoder("token")
 
@@ -108,3 +109,29 @@ def error_frame(
     id of the reader's position, so that a reconnect names it and is refused for good)."""
     name, data = render(Error(type=code, message=message, retryable=retryable))
     return encode_event(data, event=name, id=event_id)
+
+
+class _NativeRenderer:
+    """Native events depend on nothing before them: one message each."""
+
+    __slots__ = ()
+
+    def render(self, event: NeutralEvent) -> Sequence[Message]:
+        return (render(event),)
+
+
+class _Native:
+    """The native dialect (its streams are created by ``POST /v1/streams``, a JSON answer,
+    and read as SSE)."""
+
+    __slots__ = ()
+
+    name = "native"
+    retry_hint = True  # EventSource reconnects by itself
+
+    def renderer(self, meta: RenderMeta) -> _NativeRenderer:
+        return _RENDERER
+
+
+_RENDERER = _NativeRenderer()
+DIALECT = _Native()

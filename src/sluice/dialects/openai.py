@@ -38,10 +38,12 @@ but the last carries ``"usage": null``, as OpenAI's do. Decisions, numbered:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 import orjson
 
+from sluice.dialects.base import ParsedRequest, RenderMeta, RequestLimits
 from sluice.dialects.common import (
     SHARED_TYPE_BY_STATUS,
     Failure,
@@ -49,6 +51,7 @@ from sluice.dialects.common import (
     dumps,
     failure_of,
 )
+from sluice.dialects.requests import parse_openai
 from sluice.errors import ProtocolError
 from sluice.events import (
     Error,
@@ -66,6 +69,7 @@ __all__ = [
     "Accumulator",
     "ChunkRenderer",
     "CompletionKind",
+    "OpenAIDialect",
     "error_body",
     "error_type_for_status",
 ]
@@ -350,3 +354,43 @@ class Accumulator(WholeResponse):
                 for _, call in sorted(self._tool_calls.items())
             ]
         return message
+
+
+class OpenAIDialect:
+    """The OpenAI Chat Completions or Completions API as a dialect (see
+    :mod:`sluice.dialects.openai_chat`, :mod:`sluice.dialects.openai_completions`)."""
+
+    __slots__ = ("_kind", "name", "path", "response_id_prefix")
+
+    retry_hint = False  # see sluice.dialects.base.Dialect.retry_hint
+
+    def __init__(self, kind: CompletionKind, *, name: str, path: str, prefix: str) -> None:
+        self._kind: CompletionKind = kind
+        self.name = name
+        self.path = path
+        self.response_id_prefix = prefix
+
+    def parse(self, payload: object, limits: RequestLimits) -> ParsedRequest:
+        return parse_openai(payload, limits, chat=self._kind == "chat")
+
+    def renderer(self, meta: RenderMeta) -> ChunkRenderer:
+        return ChunkRenderer(
+            kind=self._kind,
+            completion_id=meta.response_id,
+            model=meta.model,
+            created=meta.created,
+            include_usage=meta.include_usage,
+        )
+
+    def whole(self, meta: RenderMeta) -> Accumulator:
+        return Accumulator(
+            kind=self._kind, completion_id=meta.response_id, model=meta.model, created=meta.created
+        )
+
+    def error_body(
+        self, status: int, message: str, *, code: str | None = None, param: str | None = None
+    ) -> dict[str, object]:
+        return error_body(message, type=error_type_for_status(status), code=code, param=param)
+
+    def headers(self, meta: RenderMeta) -> Mapping[str, str]:
+        return {}

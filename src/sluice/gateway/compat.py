@@ -1,8 +1,10 @@
-"""The compatible APIs: ``POST /v1/chat/completions``, ``POST /v1/completions`` (OpenAI) and
-``POST /v1/messages`` (Anthropic), streaming (``"stream": true``) or not.
+"""The compatible APIs: one generic handler for every dialect of the registry
+(:data:`sluice.dialects.registry.API_DIALECTS`: OpenAI Chat Completions and Completions,
+Anthropic Messages, ...), each at its ``POST`` path, streaming (``"stream": true``) or not.
 
 Each request becomes a stream of the hub like any other, read from its first event and
-rendered in the client's dialect by a :class:`DialectFramer`. Admission is decided before
+rendered in the client's dialect by a :class:`DialectFramer`; how it renders is kept with
+the stream (:class:`~sluice.events.RenderMeta`), so a resume renders the same. Admission is decided before
 the response starts: the handler waits for the stream's first event (``Started``, or the
 ``Error`` of a backend that refused the work) and answers a refusal with the right status
 in the dialect's error shape (400 bad request, 404 unknown model, 413 body too large,
@@ -21,28 +23,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
-from sluice.dialects import anthropic, openai
+from sluice.dialects.base import ApiDialect, Message, Renderer
+from sluice.dialects.registry import API_DIALECTS, dialect
 from sluice.errors import (
     BadEventIdError,
     CapacityError,
+    InvalidParameterError,
     ResumeGapError,
     SluiceError,
 )
-from sluice.events import Error, NeutralEvent
+from sluice.events import Error, NeutralEvent, RenderMeta
 from sluice.gateway.auth import RESUME_TOKEN_HEADER, Auth
-from sluice.gateway.compat_requests import (
-    CompatRequest,
-    InvalidParameterError,
-    parse_anthropic_messages,
-    parse_openai,
-)
 from sluice.gateway.errors import (
     REFUSAL_STATUS,
     answer_for,
@@ -58,17 +57,10 @@ from sluice.streams.reader import Reader
 from sluice.transports.asgi import Receive, Scope, Send
 from sluice.transports.sse import SSEOptions, send_event_stream
 
-__all__ = ["RESUMABLE_HEADER", "CompatAPI", "Dialect", "DialectFramer"]
+__all__ = ["RESUMABLE_HEADER", "CompatAPI", "DialectFramer", "framer_for"]
 
 RESUMABLE_HEADER = "x-sluice-resumable"
 STREAM_ID_HEADER = "X-Sluice-Stream-Id"
-
-Kind = Literal["chat", "text", "anthropic"]
-Frame = tuple[str | None, str]
-
-
-class Renderer(Protocol):
-    def render(self, event: NeutralEvent) -> Sequence[Frame]: ...
 
 
 class DialectFramer:
@@ -86,7 +78,7 @@ class DialectFramer:
         self,
         renderer: Renderer,
         stream_id: str | None,
-        refuse: Callable[[str, str], Sequence[Frame]],
+        refuse: Callable[[str, str], Sequence[Message]],
         first: _RenderedEvent | None = None,
     ) -> None:
         self._renderer = renderer
@@ -129,78 +121,59 @@ class _RenderedEvent:
     """Event ``seq`` rendered, of which the client already has the first ``skip`` frames."""
 
     seq: int
-    frames: Sequence[Frame]
+    frames: Sequence[Message]
     skip: int
 
 
-@dataclass(frozen=True, slots=True)
-class Dialect:
-    """How one compatible stream renders: kept on the stream, so a resume renders the same."""
+def framer_for(
+    meta: RenderMeta, log: EventLog, stream_id: str, after_seq: int, skip: int = 0
+) -> DialectFramer:
+    """A framer for a reader of a stream created in ``meta``'s dialect that starts after
+    event ``after_seq`` (and ``skip`` frames of the next one).
 
-    kind: Kind
-    response_id: str
-    model: str
-    created: int
-    include_usage: bool
-    resumable: bool
+    A dialect's frames depend on what came before (OpenAI's first chunk carries the
+    role, Anthropic numbers its content blocks), so the renderer first replays events
+    ``1 .. after_seq`` silently. If those are gone, the reader's own read fails with a
+    resume gap, which :meth:`DialectFramer.refusal` reports. With ``skip``, the next
+    event is rendered here, and a ``skip`` that leaves none of its frames (the client
+    names a frame id ``<after_seq>.<skip>`` that was never sent) raises
+    :class:`~sluice.errors.BadEventIdError` (a 400) before any response starts.
+    """
+    speaker = dialect(meta.dialect)
+    renderer = speaker.renderer(meta)
+    seq = 0
+    first: _RenderedEvent | None = None
+    with contextlib.suppress(ResumeGapError):
+        while seq < after_seq:
+            batch = log.read(stream_id, seq, after_seq - seq)
+            if not batch.events:
+                break
+            for event in batch.events:
+                renderer.render(event)
+            seq = batch.last_seq
+        if skip:
+            first = _partly_sent(renderer, log, stream_id, after_seq, skip)
 
-    def renderer(self) -> Renderer:
-        if self.kind == "anthropic":
-            return anthropic.MessagesRenderer(message_id=self.response_id, model=self.model)
-        return openai.ChunkRenderer(
-            kind=self.kind,
-            completion_id=self.response_id,
-            model=self.model,
-            created=self.created,
-            include_usage=self.include_usage,
+    def refuse(code: str, message: str) -> Sequence[Message]:
+        return speaker.renderer(meta).render(Error(code, message, retryable=False))[-1:]
+
+    return DialectFramer(renderer, stream_id if meta.resumable else None, refuse, first)
+
+
+def _partly_sent(
+    renderer: Renderer, log: EventLog, stream_id: str, after_seq: int, skip: int
+) -> _RenderedEvent:
+    """Event ``after_seq + 1`` rendered; refuses a ``skip`` past its last frame id."""
+    batch = log.read(stream_id, after_seq, 1)
+    frames = renderer.render(batch.events[0]) if batch.events else ()
+    # Frame k (from 1) of an event is sent as "<after_seq>.<k>" for k below its count;
+    # its last frame carries the event's own id.
+    if skip >= len(frames):
+        raise BadEventIdError(
+            f"Last-Event-ID names frame {skip} of event {after_seq + 1} of stream "
+            f"{stream_id}, which has {max(len(frames) - 1, 0)} frame ids before its own"
         )
-
-    def framer(self, log: EventLog, stream_id: str, after_seq: int, skip: int = 0) -> DialectFramer:
-        """A framer for a reader that starts after event ``after_seq`` (and ``skip`` frames
-        of the next one).
-
-        A dialect's frames depend on what came before (OpenAI's first chunk carries the
-        role, Anthropic numbers its content blocks), so the renderer first replays events
-        ``1 .. after_seq`` silently. If those are gone, the reader's own read fails with a
-        resume gap, which :meth:`DialectFramer.refusal` reports. With ``skip``, the next
-        event is rendered here, and a ``skip`` that leaves none of its frames (the client
-        names a frame id ``<after_seq>.<skip>`` that was never sent) raises
-        :class:`~sluice.errors.BadEventIdError` (a 400) before any response starts.
-        """
-        renderer = self.renderer()
-        seq = 0
-        first: _RenderedEvent | None = None
-        with contextlib.suppress(ResumeGapError):
-            while seq < after_seq:
-                batch = log.read(stream_id, seq, after_seq - seq)
-                if not batch.events:
-                    break
-                for event in batch.events:
-                    renderer.render(event)
-                seq = batch.last_seq
-            if skip:
-                first = self._partly_sent(renderer, log, stream_id, after_seq, skip)
-        stream_id_for_ids = stream_id if self.resumable else None
-        return DialectFramer(renderer, stream_id_for_ids, self._refuse, first)
-
-    @staticmethod
-    def _partly_sent(
-        renderer: Renderer, log: EventLog, stream_id: str, after_seq: int, skip: int
-    ) -> _RenderedEvent:
-        """Event ``after_seq + 1`` rendered; refuses a ``skip`` past its last frame id."""
-        batch = log.read(stream_id, after_seq, 1)
-        frames = renderer.render(batch.events[0]) if batch.events else ()
-        # Frame k (from 1) of an event is sent as "<after_seq>.<k>" for k below its count;
-        # its last frame carries the event's own id.
-        if skip >= len(frames):
-            raise BadEventIdError(
-                f"Last-Event-ID names frame {skip} of event {after_seq + 1} of stream "
-                f"{stream_id}, which has {max(len(frames) - 1, 0)} frame ids before its own"
-            )
-        return _RenderedEvent(after_seq + 1, frames, skip)
-
-    def _refuse(self, code: str, message: str) -> Sequence[Frame]:
-        return self.renderer().render(Error(code, message, retryable=False))[-1:]
+    return _RenderedEvent(after_seq + 1, frames, skip)
 
 
 # The codes OpenAI itself puts in ``error.code``; other errors leave it null, as OpenAI does.
@@ -239,27 +212,22 @@ class CompatAPI:
         self._metrics = metrics
         self._auth = auth
 
-    async def chat_completions(self, request: Request) -> Response:
-        return await self._serve(request, "chat")
-
-    async def completions(self, request: Request) -> Response:
-        return await self._serve(request, "text")
-
-    async def messages(self, request: Request) -> Response:
-        return await self._serve(request, "anthropic")
+    def routes(self) -> list[Route]:
+        """One ``POST`` route per dialect of the registry."""
+        return [
+            Route(speaker.path, functools.partial(self._serve, speaker=speaker), methods=["POST"])
+            for speaker in API_DIALECTS
+        ]
 
     # -- one request ----------------------------------------------------------------------
 
-    async def _serve(self, request: Request, kind: Kind) -> Response:
+    async def _serve(self, request: Request, *, speaker: ApiDialect) -> Response:
         try:
             tenant = self._auth.creator(request.scope["headers"])
             payload = await read_json_body(
                 request.scope, request.receive, self._settings.max_body_bytes
             )
-            if kind == "anthropic":
-                parsed = parse_anthropic_messages(payload, self._settings)
-            else:
-                parsed = parse_openai(payload, self._settings, chat=kind == "chat")
+            parsed = speaker.parse(payload, self._settings.request_limits)
             resumable = request.headers.get(RESUMABLE_HEADER, "").lower() == "true"
             stream = await self._hub.create(
                 parsed.model,
@@ -269,25 +237,30 @@ class CompatAPI:
             )
         except SluiceError as exc:
             self._metrics.refused_before_start(exc)
-            return self._error(kind, exc)
-        dialect = Dialect(
-            kind=kind,
-            response_id=_response_id(kind, stream.id),
+            return self._error(speaker, exc)
+        meta = RenderMeta(
+            dialect=speaker.name,
+            response_id=speaker.response_id_prefix + stream.id.removeprefix("str_"),
             model=parsed.model,
             created=int(stream.created),
-            include_usage=parsed.include_usage,
             resumable=resumable,
+            include_usage=parsed.include_usage,
+            options=parsed.options,
         )
-        stream.dialect = dialect
+        stream.render = meta
         first = await self._hub.first_event(stream.id)
         if isinstance(first, Error):
             self._metrics.refusals.labels(first.type).inc()
-            return self._refused(kind, first, stream.refusal)
+            return self._refused(speaker, first, stream.refusal)
         reader = self._hub.open_reader(stream.id, 0)
         if not parsed.stream:
-            return await self._whole(request, kind, dialect, stream, reader, parsed)
-        reader.framer = dialect.framer(self._hub.log, stream.id, 0)
+            return await self._whole(request, speaker, meta, stream, reader)
+        reader.framer = framer_for(meta, self._hub.log, stream.id, 0)
         headers = [
+            *(
+                (name.lower().encode(), value.encode())
+                for name, value in speaker.headers(meta).items()
+            ),
             (STREAM_ID_HEADER.lower().encode(), stream.id.encode()),
             # Resumes (GET /v1/streams/{id}/events?token=) need no key with it.
             (RESUME_TOKEN_HEADER.lower().encode(), self._auth.tokens.mint(stream.id).encode()),
@@ -297,23 +270,13 @@ class CompatAPI:
     async def _whole(
         self,
         request: Request,
-        kind: Kind,
-        dialect: Dialect,
+        speaker: ApiDialect,
+        meta: RenderMeta,
         stream: Stream,
         reader: Reader,
-        parsed: CompatRequest,
     ) -> Response:
         """``"stream": false``: wait for the end, answer one JSON object."""
-        accumulator: openai.Accumulator | anthropic.Accumulator
-        if kind == "anthropic":
-            accumulator = anthropic.Accumulator(message_id=dialect.response_id, model=parsed.model)
-        else:
-            accumulator = openai.Accumulator(
-                kind=kind,
-                completion_id=dialect.response_id,
-                model=parsed.model,
-                created=dialect.created,
-            )
+        accumulator = speaker.whole(meta)
         try:
             events = await _read_all(reader, request.receive)
         finally:
@@ -331,44 +294,22 @@ class CompatAPI:
 
     # -- errors in the dialect's shape ----------------------------------------------------
 
-    def _error(self, kind: Kind, exc: SluiceError) -> Response:
+    def _error(self, speaker: ApiDialect, exc: SluiceError) -> Response:
         answer = answer_for(exc)
         code = answer.code if answer.code in _OPENAI_CODES else None
         param = exc.param if isinstance(exc, InvalidParameterError) else None
-        return _error_response(
-            kind, answer.status, answer.message, code=code, param=param, headers=answer.headers
-        )
+        body = speaker.error_body(answer.status, answer.message, code=code, param=param)
+        return JSONResponse(body, status_code=answer.status, headers=answer.headers)
 
-    def _refused(self, kind: Kind, error: Error, refusal: CapacityError | None) -> Response:
+    def _refused(
+        self, speaker: ApiDialect, error: Error, refusal: CapacityError | None
+    ) -> Response:
         status = REFUSAL_STATUS.get(error.type, 500)
         headers = {}
         if status == 503:
             headers["Retry-After"] = retry_after(refusal.retry_after_s if refusal else 1.0)
-        return _error_response(kind, status, error.message, code=error.type, headers=headers)
-
-
-def _error_response(
-    kind: Kind,
-    status: int,
-    message: str,
-    *,
-    code: str | None = None,
-    param: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> Response:
-    body: dict[str, object]
-    if kind == "anthropic":
-        body = anthropic.error_body(message, type=anthropic.error_type_for_status(status))
-    else:
-        error_type = openai.error_type_for_status(status)
-        body = openai.error_body(message, type=error_type, code=code, param=param)
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def _response_id(kind: Kind, stream_id: str) -> str:
-    """The dialect's response id, derived from the stream id (so logs can join them)."""
-    suffix = stream_id.removeprefix("str_")
-    return {"chat": "chatcmpl-", "text": "cmpl-", "anthropic": "msg_"}[kind] + suffix
+        body = speaker.error_body(status, error.message, code=error.type)
+        return JSONResponse(body, status_code=status, headers=headers)
 
 
 async def _read_all(reader: Reader, receive: Receive) -> list[NeutralEvent] | None:

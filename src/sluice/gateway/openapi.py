@@ -21,8 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from sluice import __version__
+from sluice.dialects.requests import ChatBody, CompletionBody, MessagesBody
 from sluice.gateway.auth import RESUME_TOKEN_HEADER, TOKEN_PARAM
-from sluice.gateway.compat_requests import _ChatBody, _CompletionBody, _MessagesBody
 from sluice.gateway.requests import CreateStreamBody
 from sluice.gateway.settings import Settings
 from sluice.streams.ids import MAX_EVENT_ID_CHARS
@@ -36,9 +36,9 @@ _REF = "#/components/schemas/{model}"
 # Public names for the request models (the compatible ones are private classes).
 _BODIES: dict[str, type[BaseModel]] = {
     "CreateStreamRequest": CreateStreamBody,
-    "ChatCompletionRequest": _ChatBody,
-    "CompletionRequest": _CompletionBody,
-    "MessagesRequest": _MessagesBody,
+    "ChatCompletionRequest": ChatBody,
+    "CompletionRequest": CompletionBody,
+    "MessagesRequest": MessagesBody,
 }
 _SSE = "text/event-stream"
 _JSON = "application/json"

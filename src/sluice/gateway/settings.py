@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sluice.dialects.base import RequestLimits
 from sluice.errors import ConfigError
 from sluice.gateway.cors import parse_origin
 from sluice.gateway.hosts import parse_allowed_host
@@ -121,6 +122,16 @@ class Settings:
             parse_origin(origin)
         for host in self.allowed_hosts or ():
             parse_allowed_host(host)
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        """What request bodies are checked against while they are parsed."""
+        return RequestLimits(
+            max_prompt_chars=self.max_prompt_chars,
+            max_tokens_limit=self.max_tokens_limit,
+            max_interval_ms=self.max_interval_ms,
+            default_model=self.default_model,
+        )
 
     def hub_settings(self, *, multi_tenant: bool) -> HubSettings:
         """The hub's limits; ``multi_tenant`` (API keys are configured) picks the per-tenant

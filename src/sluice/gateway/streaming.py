@@ -30,7 +30,7 @@ from sluice.errors import (
     SluiceError,
 )
 from sluice.gateway.auth import TOKEN_PARAM, Auth, Caller, presented_token
-from sluice.gateway.compat import Dialect
+from sluice.gateway.compat import framer_for
 from sluice.gateway.cors import CorsPolicy
 from sluice.gateway.errors import response_for
 from sluice.gateway.hosts import HostPolicy
@@ -132,8 +132,8 @@ class EventStreams:
             raise BadEventIdError(
                 f"Last-Event-ID names event {after_seq}, but stream {stream.id} has {last_seq}"
             )
-        dialect = stream.dialect if isinstance(stream.dialect, Dialect) else None
-        if frames and (dialect is None or after_seq >= last_seq):
+        meta = stream.render
+        if frames and (meta is None or after_seq >= last_seq):
             raise BadEventIdError(f"Last-Event-ID names a frame stream {stream.id} never sent")
         if stream.is_terminal and after_seq >= last_seq:
             return None
@@ -143,8 +143,8 @@ class EventStreams:
             self._metrics.resume_gaps.inc()
             raise
         reader = self._hub.open_reader(stream.id, after_seq)
-        if dialect is not None:  # a compatible stream resumes in its dialect
-            reader.framer = dialect.framer(self._hub.log, stream.id, after_seq, frames)
+        if meta is not None:  # a compatible stream resumes in its dialect
+            reader.framer = framer_for(meta, self._hub.log, stream.id, after_seq, frames)
         return reader
 
     def _resume(

@@ -59,7 +59,15 @@ from sluice.errors import (
     TenantLimitError,
     UnknownModelError,
 )
-from sluice.events import Error, Finished, FinishReason, NeutralEvent, Started, Usage
+from sluice.events import (
+    Error,
+    Finished,
+    FinishReason,
+    NeutralEvent,
+    RenderMeta,
+    Started,
+    Usage,
+)
 from sluice.streams.budget import LOG_MEMORY, TENANT_LOG_BYTES, LogBudget
 from sluice.streams.ids import new_stream_id
 from sluice.streams.log import EventLog
@@ -170,9 +178,9 @@ class Stream:
     cancel_requested: bool = False
     generation: Generation | None = None
     task: asyncio.Task[None] | None = None
-    # How the stream's readers render it when not in the native dialect (set by the
-    # gateway; opaque here): a resumed read renders in the dialect it was created in.
-    dialect: object | None = None
+    # How the stream's readers render it when it was created in a dialect other than the
+    # native one (set by the gateway; kept, not read, here): a resume renders the same.
+    render: RenderMeta | None = None
     # Why a cancel was asked for: "cancelled" (on request) or "client_gone" (no reader).
     cancel_cause: str = "cancelled"
     admitted: bool = False  # the backend's start() succeeded

@@ -41,7 +41,7 @@ from sluice.backends.base import (
     ToolChoice,
     ToolChoiceMode,
 )
-from sluice.errors import BadRequestError
+from sluice.errors import InvalidParameterError
 
 __all__ = [
     "AnthropicMessage",
@@ -49,7 +49,6 @@ __all__ = [
     "AnthropicTool",
     "AnthropicToolChoice",
     "AnthropicTools",
-    "InvalidParameterError",
     "OpenAITool",
     "OpenAIToolCall",
     "OpenAIToolCalls",
@@ -70,14 +69,6 @@ _Name = Annotated[str, Field(min_length=1, max_length=256)]
 _Id = Annotated[str, Field(min_length=1, max_length=256)]
 # A JSON object the client wrote (a schema, a call's input), passed on as it came.
 _JsonObject = dict[str, object]
-
-
-class InvalidParameterError(BadRequestError):
-    """A request field with a bad value; ``param`` names it (OpenAI reports it)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def _invalid(param: str, message: str) -> InvalidParameterError:

@@ -20,14 +20,11 @@ from sluice.backends.base import (
     ToolChoiceMode,
 )
 from sluice.backends.upstream_body import request_body
-from sluice.gateway.compat_requests import (
-    InvalidParameterError,
-    parse_anthropic_messages,
-    parse_openai,
-)
-from sluice.gateway.settings import Settings
+from sluice.dialects.base import RequestLimits
+from sluice.dialects.requests import parse_anthropic_messages, parse_openai
+from sluice.errors import InvalidParameterError
 
-SETTINGS = Settings()
+SETTINGS = RequestLimits()
 # Key order, floats, unicode and nesting as a client may write them.
 SCHEMA: dict[str, Any] = {
     "type": "object",

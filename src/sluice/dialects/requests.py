@@ -5,25 +5,24 @@ Fields the official SDKs send that change nothing here (``user``, ``metadata``,
 ``frequency_penalty`` at 0, ...) are accepted and ignored, as other OpenAI-compatible
 servers do; fields that would change the answer in a way Sluice cannot honour (``n`` above
 1, ``echo``, ``best_of``, the legacy ``functions``) are refused with a 400 that names them.
-Tool calling (:mod:`sluice.gateway.compat_tools`) is carried to the backend, which honours
+Tool calling (:mod:`sluice.dialects.tools`) is carried to the backend, which honours
 it (an upstream) or refuses it with a 400 naming the field (the engine, ``words``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sluice.backends.base import ChatMessage, GenerationRequest
-from sluice.gateway.compat_tools import (
+from sluice.dialects.base import ParsedRequest, RequestLimits
+from sluice.dialects.tools import (
     AnthropicMessage,
     AnthropicTextBlock,
     AnthropicToolChoice,
     AnthropicTools,
-    InvalidParameterError,
     OpenAIToolCalls,
     OpenAIToolChoice,
     OpenAITools,
@@ -36,11 +35,12 @@ from sluice.gateway.compat_tools import (
     openai_tool_choice,
     openai_tools,
 )
-from sluice.gateway.settings import Settings
+from sluice.errors import InvalidParameterError
 
 __all__ = [
-    "CompatRequest",
-    "InvalidParameterError",
+    "ChatBody",
+    "CompletionBody",
+    "MessagesBody",
     "parse_anthropic_messages",
     "parse_openai",
 ]
@@ -87,7 +87,7 @@ class _OpenAICommon(_Lenient):
     ignore_eos: bool = False  # vLLM's extension: run all max_tokens past an end of text
 
 
-class _ChatBody(_OpenAICommon):
+class ChatBody(_OpenAICommon):
     messages: Annotated[list[_OpenAIMessage], Field(min_length=1, max_length=1024)]
     max_tokens: _MaxTokens | None = None
     max_completion_tokens: _MaxTokens | None = None
@@ -100,14 +100,14 @@ class _ChatBody(_OpenAICommon):
     function_call: object = None
 
 
-class _CompletionBody(_OpenAICommon):
+class CompletionBody(_OpenAICommon):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
     max_tokens: _MaxTokens | None = 16  # the Completions API's own default
     echo: Literal[False] = False
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
 
 
-class _MessagesBody(_Lenient):
+class MessagesBody(_Lenient):
     model: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # the default
     max_tokens: _MaxTokens
     messages: Annotated[list[AnthropicMessage], Field(min_length=1, max_length=1024)]
@@ -120,16 +120,6 @@ class _MessagesBody(_Lenient):
     top_k: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
     stream: bool = False
     ignore_eos: bool = False  # as for OpenAI requests (vLLM's extension)
-
-
-@dataclass(frozen=True, slots=True)
-class CompatRequest:
-    """A parsed compatible request: what to generate and how to answer."""
-
-    model: str
-    generation: GenerationRequest
-    stream: bool
-    include_usage: bool = False
 
 
 def _explain(exc: ValidationError) -> tuple[str, str | None]:
@@ -161,18 +151,18 @@ def _text(content: str | list[_TextPart] | list[AnthropicTextBlock] | None) -> s
     return "".join(part.text for part in content)
 
 
-def _check_chars(text: str, settings: Settings, what: str) -> None:
-    if len(text) > settings.max_prompt_chars:
+def _check_chars(text: str, limits: RequestLimits, what: str) -> None:
+    if len(text) > limits.max_prompt_chars:
         raise InvalidParameterError(
-            f"{what}: {len(text)} characters is over the limit of {settings.max_prompt_chars}",
+            f"{what}: {len(text)} characters is over the limit of {limits.max_prompt_chars}",
             what,
         )
 
 
-def _check_max_tokens(max_tokens: int | None, settings: Settings, param: str) -> None:
-    if max_tokens is not None and max_tokens > settings.max_tokens_limit:
+def _check_max_tokens(max_tokens: int | None, limits: RequestLimits, param: str) -> None:
+    if max_tokens is not None and max_tokens > limits.max_tokens_limit:
         raise InvalidParameterError(
-            f"{param}: must be at most {settings.max_tokens_limit}, got {max_tokens}", param
+            f"{param}: must be at most {limits.max_tokens_limit}, got {max_tokens}", param
         )
 
 
@@ -192,7 +182,7 @@ def _chat_message(message: _OpenAIMessage, index: int) -> ChatMessage:
     return ChatMessage(role, _text(message.content), calls, tool_call_id)
 
 
-def _chat(body: _ChatBody, settings: Settings) -> GenerationRequest:
+def _chat(body: ChatBody, limits: RequestLimits) -> GenerationRequest:
     for legacy in ("functions", "function_call"):
         if getattr(body, legacy) is not None:
             raise InvalidParameterError(
@@ -200,9 +190,9 @@ def _chat(body: _ChatBody, settings: Settings) -> GenerationRequest:
                 legacy,
             )
     messages = tuple(_chat_message(m, i) for i, m in enumerate(body.messages))
-    _check_chars("".join(m.content for m in messages), settings, "messages")
+    _check_chars("".join(m.content for m in messages), limits, "messages")
     max_tokens = body.max_completion_tokens or body.max_tokens
-    _check_max_tokens(max_tokens, settings, "max_tokens")
+    _check_max_tokens(max_tokens, limits, "max_tokens")
     return GenerationRequest(
         prompt="",
         messages=messages,
@@ -214,17 +204,17 @@ def _chat(body: _ChatBody, settings: Settings) -> GenerationRequest:
     )
 
 
-def parse_openai(payload: object, settings: Settings, *, chat: bool) -> CompatRequest:
+def parse_openai(payload: object, limits: RequestLimits, *, chat: bool) -> ParsedRequest:
     """A ``POST /v1/chat/completions`` (``chat``) or ``POST /v1/completions`` body."""
-    body: _ChatBody | _CompletionBody
+    body: ChatBody | CompletionBody
     if chat:
-        body = _validate(_ChatBody, payload)
-        generation = _chat(body, settings)
+        body = _validate(ChatBody, payload)
+        generation = _chat(body, limits)
     else:
-        body = _validate(_CompletionBody, payload)
+        body = _validate(CompletionBody, payload)
         prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-        _check_chars(prompt, settings, "prompt")
-        _check_max_tokens(body.max_tokens, settings, "max_tokens")
+        _check_chars(prompt, limits, "prompt")
+        _check_max_tokens(body.max_tokens, limits, "max_tokens")
         generation = GenerationRequest(prompt=prompt, max_tokens=body.max_tokens)
     generation = dataclasses.replace(
         generation,
@@ -235,18 +225,18 @@ def parse_openai(payload: object, settings: Settings, *, chat: bool) -> CompatRe
         ignore_eos=body.ignore_eos,
     )
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    model = body.model or settings.default_model
-    return CompatRequest(model, generation, body.stream, include_usage)
+    model = body.model or limits.default_model
+    return ParsedRequest(model, generation, body.stream, include_usage)
 
 
-def parse_anthropic_messages(payload: object, settings: Settings) -> CompatRequest:
+def parse_anthropic_messages(payload: object, limits: RequestLimits) -> ParsedRequest:
     """A ``POST /v1/messages`` body."""
-    body = _validate(_MessagesBody, payload)
+    body = _validate(MessagesBody, payload)
     messages = anthropic_messages(body.messages)
     if body.system is not None:
         messages.insert(0, ChatMessage("system", _text(body.system)))
-    _check_chars("".join(m.content for m in messages), settings, "messages")
-    _check_max_tokens(body.max_tokens, settings, "max_tokens")
+    _check_chars("".join(m.content for m in messages), limits, "messages")
+    _check_max_tokens(body.max_tokens, limits, "max_tokens")
     tool_choice, parallel_tool_calls = anthropic_tool_choice(body.tool_choice)
     generation = GenerationRequest(
         prompt="",
@@ -261,5 +251,5 @@ def parse_anthropic_messages(payload: object, settings: Settings) -> CompatReque
         tool_choice=tool_choice,
         parallel_tool_calls=parallel_tool_calls,
     )
-    model = body.model or settings.default_model
-    return CompatRequest(model, generation, body.stream, include_usage=True)
+    model = body.model or limits.default_model
+    return ParsedRequest(model, generation, body.stream, include_usage=True)
