@@ -68,7 +68,7 @@ from typing import Final
 import orjson
 
 from sluice.dialects import openai
-from sluice.dialects.base import Message, ParsedRequest, RenderMeta, RequestLimits
+from sluice.dialects.base import Message, ParsedRequest, RequestLimits
 from sluice.dialects.common import Failure, WholeResponse, dumps, failure_of
 from sluice.dialects.openai_responses_request import parse_responses
 from sluice.errors import ProtocolError
@@ -77,6 +77,7 @@ from sluice.events import (
     Finished,
     FinishReason,
     NeutralEvent,
+    RenderMeta,
     Started,
     TextDelta,
     ToolCallDelta,

@@ -51,7 +51,7 @@ from sluice.backends.base import (
     ToolChoiceMode,
 )
 from sluice.dialects.base import ParsedRequest, RequestLimits
-from sluice.gateway.compat_tools import InvalidParameterError
+from sluice.errors import InvalidParameterError
 
 __all__ = ["parse_responses"]
 
@@ -146,12 +146,22 @@ def _validate(payload: object) -> _Body:
         return _Body.model_validate(payload)
     except ValidationError as exc:
         parts = []
-        param: str | None = None
+        param, depth = "body", -1
         for error in exc.errors(include_url=False):
-            where = ".".join(str(part) for part in error["loc"]) or "body"
-            param = param or where
+            loc = [part for part in error["loc"] if not _is_union_tag(part)]
+            where = ".".join(str(part) for part in loc) or "body"
+            if len(loc) > depth:  # the deepest: a union's other members fail at its top
+                param, depth = where, len(loc)
             parts.append(f"{where}: {error['msg']}")
         raise InvalidParameterError("; ".join(parts), param) from exc
+
+
+def _is_union_tag(part: str | int) -> bool:
+    """Whether a part of an error's location names a member of a union (``str``,
+    ``list[_Part]``, ``_ToolChoiceBody``, ``literal[...]``) rather than a field: the
+    client's field path leaves them out (``input.0.role``, not ``input.list[_Item].0.role``).
+    No field here is named ``str`` or starts with ``_``."""
+    return isinstance(part, str) and (part == "str" or "[" in part or part.startswith("_"))
 
 
 def _json(value: dict[str, object], param: str) -> str:

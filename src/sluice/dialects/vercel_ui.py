@@ -62,20 +62,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sluice.backends.base import ChatMessage, GenerationRequest
 from sluice.dialects import openai
-from sluice.dialects.base import Message, ParsedRequest, RenderMeta, RequestLimits
+from sluice.dialects.base import Message, ParsedRequest, RequestLimits
 from sluice.dialects.common import Failure, WholeResponse, dumps, failure_of
-from sluice.errors import ProtocolError
+from sluice.errors import InvalidParameterError, ProtocolError
 from sluice.events import (
     Error,
     Finished,
     FinishReason,
     NeutralEvent,
+    RenderMeta,
     Started,
     TextDelta,
     ToolCallDelta,
     Usage,
 )
-from sluice.gateway.compat_tools import InvalidParameterError
 
 __all__ = ["DIALECT", "HEADERS", "UIAccumulator", "UIChunkRenderer", "VercelUI", "parse_ui_chat"]
 
@@ -410,7 +410,7 @@ class VercelUI:
 
     name: Final = "vercel_ui"
     path: Final = "/v1/ui/chat"
-    response_id_prefix: Final = "msg_"
+    response_id_prefix: Final = "uimsg_"
     retry_hint: Final = False  # as the AI SDK's own servers
 
     def parse(self, payload: object, limits: RequestLimits) -> ParsedRequest:
