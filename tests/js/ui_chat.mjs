@@ -8,6 +8,7 @@
 //   body            fields added to the request body (model, max_tokens, ...)
 //   headers         request headers
 //   stopAfterChars  call chat.stop() once the assistant's text has this many characters
+//   cancelAfterChars  instead, POST <origin>/v1/streams/<id>/cancel (a cancel from outside)
 //   resume          after the stop, call chat.resumeStream(), reading GET <resume.api>
 //                   with <resume.headers>; "{streamId}" in either is the stream's id
 //
@@ -105,15 +106,19 @@ const assistantText = () =>
     .join("");
 
 let stopped = false;
-if (config.stopAfterChars !== undefined) {
-  // Checked after every chunk the chat applies (the state's setter is the only hook).
+const after = config.stopAfterChars ?? config.cancelAfterChars;
+if (after !== undefined) {
+  // Checked after every chunk the chat applies (the state's setters are its only hooks).
   const state = chat.state;
   const replace = state.replaceMessage.bind(state);
   const push = state.pushMessage.bind(state);
   const check = () => {
-    if (!stopped && assistantText().length >= config.stopAfterChars) {
-      stopped = true;
+    if (stopped || assistantText().length < after) return;
+    stopped = true;
+    if (config.stopAfterChars !== undefined) {
       void chat.stop();
+    } else {
+      void fetch(`${new URL(config.api).origin}/v1/streams/${streamId}/cancel`, { method: "POST" });
     }
   };
   state.replaceMessage = (index, message) => {
