@@ -22,8 +22,11 @@ __all__ = [
     "BENCH_DIR",
     "ServerProcess",
     "baseline_command",
+    "engine_baseline_command",
+    "engine_command",
     "free_port",
     "ours_command",
+    "process_cpu_s",
     "scan_log",
     "tick_command",
 ]
@@ -87,6 +90,41 @@ def tick_command(port: int, *options: str) -> list[str]:
     ]
 
 
+def engine_command(port: int, *options: str) -> list[str]:
+    """``sluice serve`` with the one-timer engine-shaped backend (see ``engine_server.py``)."""
+    return [
+        sys.executable,
+        str(BENCH_DIR / "engine_server.py"),
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--no-model",
+        *_STOP_OPTIONS,
+        *options,
+    ]
+
+
+def engine_baseline_command(port: int) -> list[str]:
+    """The sse-starlette baseline of the engine test (``engine_peer.py``), with the
+    ssebench peers' uvicorn flags."""
+    return [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--app-dir",
+        str(BENCH_DIR),
+        "engine_peer:app",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        *_UVICORN_OPTIONS.split(),
+    ]
+
+
 def baseline_command(ssebench_dir: Path, port: int) -> list[str]:
     """The ssebench sse-starlette peer with the runner's uvicorn flags."""
     return [
@@ -102,6 +140,44 @@ def baseline_command(ssebench_dir: Path, port: int) -> list[str]:
         str(port),
         *_UVICORN_OPTIONS.split(),
     ]
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (from the ppid field of /proc/*/stat)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_bytes()
+            ppid = int(stat[stat.rfind(b")") + 2 :].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo.extend(children.get(current, ()))
+    return found
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds used so far by ``pid`` and its descendants, every thread (nanosecond
+    resolution: the first field of /proc/PID/task/TID/schedstat; the same source as
+    ssebench's server CPU figures)."""
+    total_ns = 0
+    for process in _descendants(pid):
+        try:
+            threads = list(Path(f"/proc/{process}/task").iterdir())
+        except OSError:
+            continue
+        for thread in threads:
+            try:
+                total_ns += int((thread / "schedstat").read_text().split()[0])
+            except (OSError, IndexError, ValueError):
+                continue
+    return total_ns / 1e9
 
 
 def _answers(port: int, path: str) -> bool:
@@ -135,6 +211,10 @@ class ServerProcess:
         health_path: str,
         log_path: Path,
         env: dict[str, str] | None = None,
+        *,
+        ready_timeout_s: float = 60.0,
+        cwd: Path = BENCH_DIR,
+        unset_env: tuple[str, ...] = (),
     ) -> None:
         self.name = name
         self.command = command
@@ -142,6 +222,10 @@ class ServerProcess:
         self.health_path = health_path
         self.log_path = log_path
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        for variable in unset_env:
+            self.env.pop(variable, None)
+        self.ready_timeout_s = ready_timeout_s
+        self.cwd = cwd
         self.process: subprocess.Popen[bytes] | None = None
         self.exit_note = ""
 
@@ -150,12 +234,13 @@ class ServerProcess:
         assert self.process is not None
         return self.process.pid
 
-    def start(self, ready_timeout: float = 60.0) -> ServerProcess:
+    def start(self, ready_timeout: float | None = None) -> ServerProcess:
+        ready_timeout = self.ready_timeout_s if ready_timeout is None else ready_timeout
         with self.log_path.open("ab") as log:
             log.write(f"$ {' '.join(self.command)}\n".encode())
             log.flush()
             self.process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=BENCH_DIR
+                self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd
             )
         deadline = time.monotonic() + ready_timeout
         while not _answers(self.port, self.health_path):

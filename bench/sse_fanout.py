@@ -21,6 +21,13 @@ same load generator, the shared ssebench harness (the copy in ``bench/ssebench/`
    ``sluice serve`` with a bench-only backend whose tokens are ``"<emit_ns> <seq> <due_ns>"``
    (the real hub, log, encoding and SSE writer); baseline: ``/tick?rate=50``. Headline:
    end-to-end p99 (due time -> kernel RX timestamp of the read that carried the event).
+4. engine: N streams of K tokens that arrive the way an engine makes them: ONE timer
+   gives every live stream its next token each 20 ms (``step_clock.py``). Ours:
+   ``bench/engine_server.py`` (``sluice serve`` with a backend whose generations are fed
+   by that timer), ``/v1/demo/words?text=tick&max_tokens=K``; baseline:
+   ``bench/engine_peer.py`` (sse-starlette, the same timer filling each stream's queue),
+   ``/engine?count=K``. Every token of every stream is counted (missing or duplicated
+   ones are problems). Headline: step-to-client p99 (the step's due time -> kernel RX).
 
 The issue's targets for our server are checked in the same run and printed as PASS/MISS
 next to the baseline's value and the ratio ours / baseline. A markdown table goes to
@@ -60,18 +67,29 @@ from typing import Any
 from urllib.parse import quote_plus
 
 from created_stream import run_created_throughput
-from peers import BENCH_DIR, ServerProcess, baseline_command, free_port, ours_command, scan_log
+from engine_fanout import run_engine, tokens_per_stream
+from peers import (
+    BENCH_DIR,
+    ServerProcess,
+    baseline_command,
+    engine_baseline_command,
+    engine_command,
+    free_port,
+    ours_command,
+    scan_log,
+)
 from peers import tick_command as tick_server_command
 
 REPO = BENCH_DIR.parent
 PEERS = ("ours", "baseline")
 LABELS = {"ours": "sluice", "baseline": "sse-starlette"}
-TESTS = ("throughput", "concurrency", "latency")
+TESTS = ("throughput", "concurrency", "latency", "engine")
 # The issue's targets for our server: the headline key of each test and its upper bound.
 TARGETS = {
     "throughput": ("server_sched_cpu_s_per_1m_events", 2.2),
     "concurrency": ("rss_per_conn_kb", 12.0),
     "latency": ("e2e_p99_us", 2000.0),
+    "engine": ("e2e_p99_us", 5000.0),
 }
 # sse-starlette's value in ssebench's RESULTS.md (the machine the targets were set against),
 # to restate the targets as ratios that do not depend on this machine's speed.
@@ -96,6 +114,13 @@ class Config:
     lat_rate: float = 50.0
     lat_duration_s: float = 3.0
     lat_warmup_s: float = 1.0
+    # Engine-shaped: N streams fed by one 20 ms timer; K tokens each cover the ramp
+    # allowance, the warm-up and the window (engine_fanout.tokens_per_stream).
+    eng_streams: int = 1000
+    eng_ramp_allowance_s: float = 5.0
+    eng_warmup_s: float = 1.0
+    eng_duration_s: float = 3.0
+    eng_drain_s: float = 30.0
 
     @classmethod
     def quick(cls) -> Config:
@@ -109,7 +134,16 @@ class Config:
             lat_streams=100,
             lat_duration_s=1.0,
             lat_warmup_s=0.5,
+            eng_streams=100,
+            eng_ramp_allowance_s=2.0,
+            eng_warmup_s=0.5,
+            eng_duration_s=2.0,
+            eng_drain_s=15.0,
         )
+
+    @property
+    def eng_tokens(self) -> int:
+        return tokens_per_stream(self.eng_ramp_allowance_s, self.eng_warmup_s, self.eng_duration_s)
 
 
 # ---------------------------------------------------------------- the shared client
@@ -193,8 +227,12 @@ class Bench:
 
     def server(self, peer: str, test: str) -> ServerProcess:
         port = free_port()
-        if peer == "baseline":
+        if peer == "baseline" and test == "engine":
+            command, health = engine_baseline_command(port), "/"
+        elif peer == "baseline":
             command, health = baseline_command(self.sb_dir, port), "/"
+        elif test == "engine":
+            command, health = engine_command(port, "--retention", "5"), "/healthz"
         elif test == "latency":
             # Tick streams run until their reader has been gone for the grace window; keep
             # that short, and finished logs few, so repetitions do not load each other.
@@ -215,7 +253,10 @@ class Bench:
                 "throughput": f"/burst?n={cfg.tp_events}&size={cfg.tp_size}",
                 "concurrency": "/slow?interval=1",
                 "latency": f"/tick?rate={cfg.lat_rate:g}",
+                "engine": f"/engine?count={cfg.eng_tokens}",
             }[test]
+        elif test == "engine":
+            path = f"/v1/demo/words?text=tick&max_tokens={cfg.eng_tokens}"
         elif test == "throughput":
             path = ""  # each client POSTs to /v1/streams: see throughput()
         elif test == "concurrency":
@@ -257,6 +298,20 @@ class Bench:
             url, cfg.lat_streams, cfg.lat_duration_s, cfg.lat_warmup_s, rate=cfg.lat_rate, pid=pid
         )
         return measure(ticks)
+
+    def engine(self, peer: str, url: str, pid: int) -> Row:
+        cfg = self.cfg
+        run = run_engine(
+            self.sb,
+            url,
+            cfg.eng_streams,
+            cfg.eng_tokens,
+            cfg.eng_warmup_s,
+            cfg.eng_duration_s,
+            cfg.eng_drain_s,
+            pid,
+        )
+        return measure(run)
 
 
 def snapshot_source(dest: Path) -> Path:
@@ -340,6 +395,13 @@ def summary_line(test: str, result: Any) -> str:
             f"ramp {r['ramp_s']} s, connect p99 {r['connect_p99_ms']} ms, errors {r['errors']}"
         )
     r = result
+    if test == "engine":
+        return (
+            f"step-to-client p50/p99 {r['e2e_p50_us']}/{r['e2e_p99_us']} us, "
+            f"{r['window_tokens_per_s']} tokens/s, delivered {r['tokens_delivered']}/"
+            f"{r['tokens_produced']} (dup {r['tokens_duplicated']}), ramp {r['ramp_s']} s, "
+            f"errors {r['errors']}"
+        )
     return (
         f"e2e p50/p99 {r['e2e_p50_us']}/{r['e2e_p99_us']} us, write path p99 "
         f"{r['krx_p99_us']} us, delivered {r['delivery_ratio']}, errors {r['errors']}"
@@ -401,6 +463,21 @@ ROW_SPECS: dict[str, list[tuple[str, str, float]]] = {
         ("server CPU (% of 1 core)", "server_cpu_pct", 1),
         ("client CPU (cores)", "client_cpu_util", 1),
     ],
+    "engine": [
+        ("step-to-client p99 (ms, due -> kernel RX)", "e2e_p99_us", 1e-3),
+        ("step-to-client p50 (ms)", "e2e_p50_us", 1e-3),
+        ("step-to-client p99.9 (ms)", "e2e_p999_us", 1e-3),
+        ("write path p99 (ms, emit -> kernel RX)", "krx_p99_us", 1e-3),
+        ("step lateness p99 (ms, emit - due)", "late_p99_us", 1e-3),
+        ("tokens/s delivered in the window", "window_tokens_per_s", 1),
+        ("  of the tokens due in it", "window_delivery_ratio", 1),
+        ("tokens delivered (of N x K produced)", "tokens_delivered", 1),
+        ("tokens missing / duplicated", "tokens_missing", 1),
+        ("streams that got their headers", "ok_streams", 1),
+        ("ramp to N (s)", "ramp_s", 1),
+        ("server CPU (% of 1 core)", "server_cpu_pct", 1),
+        ("client CPU (cores)", "client_cpu_util", 1),
+    ],
 }
 
 
@@ -409,6 +486,11 @@ def title(test: str, cfg: Config) -> str:
         return f"{cfg.tp_clients} clients x {cfg.tp_events} events of {cfg.tp_size} B"
     if test == "concurrency":
         return f"N={max(cfg.levels):,} streams x 1 event/s, hold {cfg.hold_s:g} s per level"
+    if test == "engine":
+        return (
+            f"N={cfg.eng_streams:,} streams x K={cfg.eng_tokens} tokens, one 20 ms timer "
+            f"({cfg.eng_streams * 50:,} tokens/s), {cfg.eng_duration_s:g} s window"
+        )
     return f"C={cfg.lat_streams:,} streams x {cfg.lat_rate:g} events/s, {cfg.lat_duration_s:g} s"
 
 
@@ -466,6 +548,8 @@ def cell(rows: list[Row], key: str, scale: float) -> tuple[str, float | None]:
     value = None if value is None else value * scale
     if key == "rss_after_mb":
         return f"{fmt(median(rows, 'rss_before_mb'))} / {fmt(value)}", value
+    if key == "tokens_missing":
+        return f"{fmt(value)} / {fmt(median(rows, 'tokens_duplicated'))}", value
     return fmt(value), value
 
 
@@ -523,6 +607,23 @@ def held_problems(tests: list[str], runs: Runs) -> list[str]:
     return out
 
 
+def token_problems(tests: list[str], runs: Runs) -> list[str]:
+    """Engine runs whose tokens did not all arrive exactly once."""
+    out = []
+    if "engine" not in tests:
+        return out
+    for peer in PEERS:
+        for i, r in enumerate(runs["engine"][peer]):
+            if r["tokens_missing"] or r["tokens_duplicated"]:
+                out.append(
+                    f"engine run {i + 1} {LABELS[peer]}: {r['tokens_missing']} tokens missing "
+                    f"and {r['tokens_duplicated']} duplicated of {r['tokens_produced']} "
+                    f"({r['streams_incomplete']} streams incomplete after waiting "
+                    f"{r['drain_wait_s']} s)"
+                )
+    return out
+
+
 def client_errors(tests: list[str], runs: Runs) -> list[str]:
     out = []
     for test in tests:
@@ -538,7 +639,12 @@ def client_errors(tests: list[str], runs: Runs) -> list[str]:
 def all_problems(tests: list[str], runs: Runs, problems: list[str]) -> list[str]:
     """What went wrong in the run: failed measurements, servers that had to be killed or
     logged trouble, streams not held, client-side errors."""
-    return problems + held_problems(tests, runs) + client_errors(tests, runs)
+    return (
+        problems
+        + held_problems(tests, runs)
+        + token_problems(tests, runs)
+        + client_errors(tests, runs)
+    )
 
 
 def machine_facts(server_nofile: dict[str, str], source: str) -> list[str]:
@@ -614,7 +720,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--quick",
         action="store_true",
-        help="smoke run: 1 rep, 20x200 burst, 500 streams, latency 100 streams x 1 s",
+        help="smoke run: 1 rep, 20x200 burst, 500 streams, latency 100 streams x 1 s, "
+        "engine 100 streams x 2 s",
     )
     ap.add_argument(
         "--only",
@@ -633,6 +740,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=None,
         help="streams in the latency test (default 1000, the issue's figure)",
+    )
+    ap.add_argument(
+        "--eng-streams",
+        type=int,
+        default=None,
+        help="streams in the engine test (default 1000, the issue's figure)",
     )
     ap.add_argument(
         "--json",
@@ -658,6 +771,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg.idle_words = args.idle_words
     if args.lat_streams is not None:
         cfg.lat_streams = args.lat_streams
+    if args.eng_streams is not None:
+        cfg.eng_streams = args.eng_streams
     ssebench_dir = args.ssebench_dir.resolve()
     ssebench = load_ssebench(ssebench_dir)
     nofile = ssebench.raise_nofile()  # the servers inherit it

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Set up Sluice in ./.venv; idempotent. `scripts/setup.sh --test` also installs what the
 # test suite needs: the test and bench extras (tests/bench runs every benchmark in its
-# --quick mode) and Debian's Chromium for the browser tests.
+# --quick mode), the LiteLLM proxy in its own ./.venv-litellm (bench/proxy_overhead.py's
+# peer hop; it pins its own openai and many more), Debian's Chromium for the browser
+# tests, and the Vercel AI SDK's `ai` package under tests/js (pinned by its
+# package-lock.json) for the UI message stream tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,6 +22,9 @@ apt_install() {
 if ((want_test)) && [[ ! -x /usr/bin/chromium ]]; then
     apt_install chromium
 fi
+if ((want_test)) && ! command -v npm >/dev/null; then
+    apt_install nodejs npm
+fi
 if [[ ! -x .venv/bin/python ]]; then
     # Debian ships venv's pip bootstrap separately (python3-venv).
     if ! python3 -m venv .venv >/dev/null 2>&1; then
@@ -30,6 +36,11 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 if ((want_test)); then
     .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,bench]"
+    # Pinned in bench/litellm_peer.py; a no-op when that version is already there.
+    .venv/bin/python bench/litellm_peer.py
 else
     .venv/bin/python -m pip install -q --disable-pip-version-check -e .
+fi
+if ((want_test)); then
+    npm ci --prefix tests/js --no-audit --no-fund --loglevel=error
 fi

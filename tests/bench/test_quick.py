@@ -52,11 +52,23 @@ def run_quick(name: str) -> str:
 pytestmark = [pytest.mark.bench, pytest.mark.timeout(RUN_LIMIT_S + 60)]
 
 
-def test_sse_fanout_quick_run_holds_every_stream_without_errors() -> None:
+def table_row(output: str, prefix: str) -> list[str]:
+    """The cells of the markdown row of ``output`` that starts with ``prefix``."""
+    for line in output.splitlines():
+        if line.startswith(prefix):
+            return [cell.strip() for cell in line.strip().strip("|").split("|")]
+    pytest.fail(f"no row starting {prefix!r} in:\n{output}")
+
+
+def test_sse_fanout_quick_run_holds_every_stream_and_delivers_every_engine_token() -> None:
     output = run_quick("sse_fanout")
     assert "| **throughput**" in output
     assert "| **concurrency**" in output
     assert "| **latency**" in output
+    assert "| **engine**" in output
+    # Exit 0 already means none missing or duplicated; the row shows both servers counted.
+    delivered = table_row(output, "| tokens delivered (of N x K produced) |")
+    assert delivered[1] == delivered[2] != "—", delivered
 
 
 def test_engine_throughput_quick_run_matches_transformers_greedy_output() -> None:
@@ -64,9 +76,13 @@ def test_engine_throughput_quick_run_matches_transformers_greedy_output() -> Non
     assert "| ours / HF static batch |" in output
 
 
-def test_proxy_overhead_quick_run_delivers_every_token_direct_and_proxied() -> None:
+def test_proxy_overhead_quick_run_delivers_every_token_direct_through_sluice_and_litellm() -> None:
     output = run_quick("proxy_overhead")
-    assert "| 8 | token latency (ms) |" in output
+    # direct | Sluice hop | added | LiteLLM hop | added: every hop measured.
+    latency = table_row(output, "| 8 | token latency p50 (ms) |")
+    assert "—" not in latency[2:7], latency
+    cpu = table_row(output, "| 8 | Sluice CPU / LiteLLM CPU per token |")
+    assert cpu[3] != "—", cpu
 
 
 def test_saturation_quick_run_serves_or_refuses_every_request_with_admission_on_and_off() -> None:

@@ -11,7 +11,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Final
 
-from sluice.dialects import anthropic, native, openai_chat, openai_completions
+from sluice.dialects import (
+    anthropic,
+    native,
+    openai_chat,
+    openai_completions,
+    openai_responses,
+    vercel_ui,
+)
 from sluice.dialects.base import ApiDialect, Dialect
 
 __all__ = ["API_DIALECTS", "DIALECTS", "NATIVE", "dialect"]
@@ -22,6 +29,8 @@ API_DIALECTS: Final[tuple[ApiDialect, ...]] = (
     openai_chat.DIALECT,
     openai_completions.DIALECT,
     anthropic.DIALECT,
+    openai_responses.DIALECT,
+    vercel_ui.DIALECT,
 )
 """The dialects with an endpoint that creates streams, in the order OpenAPI lists them."""
 
