@@ -16,7 +16,7 @@ from anthropic._streaming import SSEDecoder as AnthropicDecoder
 from openai._streaming import SSEDecoder as OpenAIDecoder
 
 from sluice.sse import Decoder, Event, encode_event, encode_retry
-from sluice.transports.sse import _PING
+from sluice.transports.delivery import PING as _PING
 
 FRAMES = [
     encode_event('{"n":1}', event="token", id="str_x:1"),

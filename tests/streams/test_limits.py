@@ -14,6 +14,7 @@ from sluice.backends.words import WordsBackend
 from sluice.errors import CapacityError, ResumeGapError, StreamNotFoundError, TenantLimitError
 from sluice.events import Finished, FinishReason, NeutralEvent, Started, TextDelta, Usage
 from sluice.streams import HubSettings, MemoryEventLog, Stream, StreamHub, StreamState
+from sluice.transports.frames import FrameCache
 from tests.streams.reading import read_until, read_until_done
 
 pytestmark = pytest.mark.anyio
@@ -55,7 +56,9 @@ async def recorder() -> Recorder:
 @contextlib.asynccontextmanager
 async def running_hub(settings: HubSettings, recorder: Recorder) -> AsyncIterator[StreamHub]:
     backends = {"words": WordsBackend(), "held": HeldBackend()}
-    hub = StreamHub(MemoryEventLog(), backends, settings, recorder)  # type: ignore[arg-type]
+    # As the app composes it: the delivery layer's frames are counted with each record.
+    log = MemoryEventLog(observer=FrameCache())
+    hub = StreamHub(log, backends, settings, recorder)  # type: ignore[arg-type]
     async with hub.running():
         yield hub
 

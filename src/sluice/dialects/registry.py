@@ -21,7 +21,7 @@ from sluice.dialects import (
 )
 from sluice.dialects.base import ApiDialect, Dialect
 
-__all__ = ["API_DIALECTS", "DIALECTS", "NATIVE", "dialect"]
+__all__ = ["API_DIALECTS", "DIALECTS", "NATIVE", "api_dialect", "dialect"]
 
 NATIVE: Final[Dialect] = native.DIALECT
 
@@ -35,8 +35,15 @@ API_DIALECTS: Final[tuple[ApiDialect, ...]] = (
 """The dialects with an endpoint that creates streams, in the order OpenAPI lists them."""
 
 DIALECTS: Final[Mapping[str, Dialect]] = {d.name: d for d in (NATIVE, *API_DIALECTS)}
+_API_DIALECTS_BY_NAME: Final[Mapping[str, ApiDialect]] = {d.name: d for d in API_DIALECTS}
 
 
 def dialect(name: str) -> Dialect:
     """The dialect registered as ``name``; ``KeyError`` for one that is not."""
     return DIALECTS[name]
+
+
+def api_dialect(name: str) -> ApiDialect:
+    """The API dialect registered as ``name`` (its error shape, its endpoint); ``KeyError``
+    for one that is not."""
+    return _API_DIALECTS_BY_NAME[name]

@@ -29,7 +29,7 @@ from starlette.routing import Route
 
 from sluice.backends.base import Backend
 from sluice.backends.words import WordsBackend
-from sluice.dialects import anthropic
+from sluice.dialects.registry import api_dialect
 from sluice.errors import SluiceError
 from sluice.gateway.auth import Auth
 from sluice.gateway.compat import CompatAPI
@@ -175,7 +175,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         headers["Allow"] = ", ".join(sorted(headers["Allow"].split(", ")))
     path: str = request.scope["path"]
     if path == _ANTHROPIC_PREFIX or path.startswith(_ANTHROPIC_PREFIX + "/"):
-        body = anthropic.error_body(str(detail), type=anthropic.error_type_for_status(status))
+        body = api_dialect("anthropic").error_body(status, str(detail))
         return JSONResponse(body, status_code=status, headers=headers or None)
     code = {404: "not_found", 405: "method_not_allowed"}.get(status, "http_error")
     return error_response(status, code, str(detail), headers=headers or None)

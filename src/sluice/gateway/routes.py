@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
-from sluice.dialects import openai
+from sluice.dialects.registry import api_dialect
 from sluice.errors import BadEventIdError, SluiceError
 from sluice.events import Error
 from sluice.gateway.auth import TOKEN_PARAM, Auth, Caller, presented_token
@@ -124,8 +124,8 @@ class NativeApi:
         model_id: str = request.path_params["model_id"]
         if model_id not in self._hub.backends:
             message = f"The model {model_id[:200]!r} does not exist"
-            body = openai.error_body(
-                message, type="invalid_request_error", code="model_not_found", param="model"
+            body = api_dialect("openai_chat").error_body(
+                404, message, code="model_not_found", param="model"
             )
             return JSONResponse(body, status_code=404)
         return JSONResponse(self._model(model_id))

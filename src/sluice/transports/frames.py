@@ -33,8 +33,7 @@ from typing import Protocol
 
 import orjson
 
-from sluice.dialects import native
-from sluice.dialects.registry import dialect
+from sluice.dialects.registry import NATIVE, dialect
 from sluice.errors import BadEventIdError, ResumeGapError
 from sluice.events import Error, NeutralEvent, RenderMeta, TextDelta
 from sluice.sse import EventEncoder, encode_event
@@ -55,6 +54,9 @@ __all__ = [
     "num_frames",
 ]
 
+# Stateless (its meta is not read): one for every native stream.
+_NATIVE_RENDERER = NATIVE.renderer(RenderMeta(NATIVE.name, "", "", 0, resumable=True))
+# The native token frame, checked once (see sluice.dialects.native): the hot path.
 _encode_token = EventEncoder("token")
 _FRAME_END = b"\n\n"  # what ends every frame the encoders write (and nothing else does)
 
@@ -84,7 +86,8 @@ class FrameEncoder(Protocol):
 
 
 class NativeEncoder:
-    """The native dialect: one frame per event, each with its id."""
+    """The native dialect: one frame per event, each with its id (the registry's native
+    renderer is stateless: one message per event, whatever came before)."""
 
     __slots__ = ("_prefix", "_stream_id")
 
@@ -99,14 +102,21 @@ class NativeEncoder:
             return _encode_token(
                 orjson.dumps({"text": event.text}).decode(), f"{self._prefix}{seq}"
             )
-        return native.frame(event, f"{self._prefix}{seq}")
+        return _native_frame(event, f"{self._prefix}{seq}")
 
     def merged_tokens(self, text: str, seq: int) -> bytes | None:
-        return native.frame(TextDelta(text), f"{self._prefix}{seq}")
+        return self.encode(seq, TextDelta(text))
 
     def refusal(self, code: str, message: str, after_seq: int) -> bytes:
         # With the id of the reader's position: its reconnect names it and gets a 410.
-        return native.error_frame(code, message, event_id=event_id(self._stream_id, after_seq))
+        error = Error(code, message, retryable=False)
+        return _native_frame(error, event_id(self._stream_id, after_seq))
+
+
+def _native_frame(event: NeutralEvent, id: str) -> bytes:
+    """The native frame of ``event`` with SSE id ``id``."""
+    ((name, data),) = _NATIVE_RENDERER.render(event)
+    return encode_event(data, event=name, id=id)
 
 
 class DialectEncoder:
@@ -149,7 +159,7 @@ class DialectEncoder:
 
 def encoder_for(meta: RenderMeta | None, stream_id: str) -> FrameEncoder:
     """The encoder of a stream created in ``meta``'s dialect (``None``: native)."""
-    if meta is None or meta.dialect == native.DIALECT.name:
+    if meta is None or meta.dialect == NATIVE.name:
         return NativeEncoder(stream_id)
     return DialectEncoder(meta, stream_id)
 
