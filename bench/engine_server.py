@@ -12,8 +12,8 @@ aborted.
 The launcher runs the real ``sluice serve`` command (same options, same
 ``uvicorn.Config``) with one change, as ``tick_server.py`` does: the model ``words`` is
 served by ``StepBackend``. So ``GET /v1/demo/words?text=tick&max_tokens=K`` runs our real
-SSE path (hub, producer task per stream, event log with ids, native JSON encoding at
-append, ``sluice.transports.sse.SSEConnection``) for K tokens, 50 per second, that arrive
+SSE path (hub, producer task per stream, event log, frame cache (native JSON encoding at
+append), ``sluice.transports.sse.CallbackSSE``) for K tokens, 50 per second, that arrive
 for every stream at once. The demo's ``interval_ms`` is ignored: the clock sets the pace.
 
 Run: ``python bench/engine_server.py --port 8001 --log-level warning [sluice serve options]``

@@ -12,7 +12,7 @@ The launcher runs the real ``sluice serve`` command (same options, same ``uvicor
 with one change: the app is built with the tick backend registered under the model name
 ``words``. So ``GET /v1/demo/words?text=tick&interval_ms=20`` runs our real SSE path
 (hub, producer task, event log with ids, native JSON encoding at append,
-``sluice.transports.sse.SSEConnection``) with 50 timestamped ``token`` events per
+``sluice.transports.sse.CallbackSSE``) with 50 timestamped ``token`` events per
 second, and one URL per stream is all a load generator needs.
 
 Run: ``python bench/tick_server.py --port 8001 --log-level warning [sluice serve options]``
