@@ -78,7 +78,7 @@ from sluice.errors import CapacityError, TenantLimitError, UnknownModelError
 from sluice.observability.exposition import Registry, encode
 from sluice.observability.logs import log_stream_end
 from sluice.observability.state import ModelState, StateCollector
-from sluice.observability.vllm import VllmFamilies
+from sluice.observability.vllm import VllmFamilies, VllmSeries
 from sluice.streams.hub import Stream
 
 __all__ = ["Metrics"]
@@ -96,6 +96,16 @@ class _Timing:
     admitted_s: float
     first_token_s: float | None = None
     last_token_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _TokenSeries:
+    """One model's children of the families observed per token delta (looked up once)."""
+
+    ttft: Histogram
+    itl: Histogram
+    tokens_total: Counter
+    vllm: VllmSeries
 
 
 class Metrics:
@@ -167,6 +177,8 @@ class Metrics:
         self._state = StateCollector(self._versions)
         registry.register(self._state)
         self.vllm = VllmFamilies(registry, self._versions)
+        # The per-token children of each model (at most the served models).
+        self._token_series: dict[str, _TokenSeries] = {}
         # Live admitted streams' phase offsets, by stream id (at most the hub's streams).
         self._timings: dict[str, _Timing] = {}
 
@@ -183,15 +195,19 @@ class Metrics:
         self._timings[stream.id] = _Timing(admitted_s=queued_s)
 
     def tokens(self, stream: Stream, count: int, since_s: float, first: bool) -> None:
-        labels = self._labels(stream)
-        (self.ttft if first else self.itl).labels(*labels).observe(since_s)
-        self.tokens_total.labels(*labels).inc(count)
-        vllm = self.vllm.series(stream.model)
+        # Once per delta of every stream: the model's children are looked up once.
+        series = self._token_series.get(stream.model)
+        if series is None:
+            series = self._token_series[stream.model] = self._new_token_series(stream)
+        vllm = series.vllm
         if first:
+            series.ttft.observe(since_s)
             vllm.ttft.observe(since_s)
         else:
+            series.itl.observe(since_s)
             vllm.itl.observe(since_s)
             vllm.time_per_output_token.observe(since_s)
+        series.tokens_total.inc(count)
         vllm.generation_tokens.inc(count)
         timing = self._timings.get(stream.id)
         if timing is not None:
@@ -199,6 +215,15 @@ class Metrics:
             timing.last_token_s = since_s if first else timing.last_token_s + since_s
             if first:
                 timing.first_token_s = since_s
+
+    def _new_token_series(self, stream: Stream) -> _TokenSeries:
+        labels = self._labels(stream)
+        return _TokenSeries(
+            ttft=self.ttft.labels(*labels),
+            itl=self.itl.labels(*labels),
+            tokens_total=self.tokens_total.labels(*labels),
+            vllm=self.vllm.series(stream.model),
+        )
 
     def finished(self, stream: Stream, outcome: str, e2e_s: float) -> None:
         timing = self._timings.pop(stream.id, None)
