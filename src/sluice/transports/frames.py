@@ -184,50 +184,36 @@ class FrameSource(Protocol):
 
 
 class _Frames:
-    """One stream's cached frames: ``frames[i]`` is record ``first_seq + i``'s."""
+    """One stream's cached frames: ``encoded[i]`` is record ``first_seq + i``'s. It is the
+    :class:`FrameSource` of every reader of the stream (no object per reader)."""
 
-    __slots__ = ("encoder", "first_seq", "frames")
+    __slots__ = ("encoded", "encoder", "first_seq")
 
     def __init__(self, encoder: FrameEncoder, first_seq: int = 1) -> None:
         self.encoder = encoder
         self.first_seq = first_seq
-        self.frames: list[bytes] = []
+        self.encoded: list[bytes] = []
+
+    @property
+    def retry_hint(self) -> bool:
+        return self.encoder.retry_hint
 
     def body(self, batch: Batch) -> bytes:
         start = batch.first_seq - self.first_seq
         count = len(batch.events)
         if count == 1:
-            return self.frames[start]
-        return b"".join(self.frames[start : start + count])
-
-    def frames_of(self, batch: Batch) -> Sequence[bytes]:
-        start = batch.first_seq - self.first_seq
-        return self.frames[start : start + len(batch.events)]
-
-
-class _EntrySource:
-    """A reader's view of a stream's cached frames."""
-
-    __slots__ = ("_entry",)
-
-    def __init__(self, entry: _Frames) -> None:
-        self._entry = entry
-
-    @property
-    def retry_hint(self) -> bool:
-        return self._entry.encoder.retry_hint
-
-    def body(self, batch: Batch) -> bytes:
-        return self._entry.body(batch)
+            return self.encoded[start]
+        return b"".join(self.encoded[start : start + count])
 
     def frames(self, batch: Batch) -> Sequence[bytes]:
-        return self._entry.frames_of(batch)
+        start = batch.first_seq - self.first_seq
+        return self.encoded[start : start + len(batch.events)]
 
     def merged_tokens(self, text: str, seq: int) -> bytes | None:
-        return self._entry.encoder.merged_tokens(text, seq)
+        return self.encoder.merged_tokens(text, seq)
 
     def refusal(self, code: str, message: str, after_seq: int) -> bytes:
-        return self._entry.encoder.refusal(code, message, after_seq)
+        return self.encoder.refusal(code, message, after_seq)
 
 
 class FrameCache:
@@ -246,7 +232,7 @@ class FrameCache:
         """Encode the stream's records with ``encoder`` (``None``: keep no frames for it).
         Call before the stream's first record is appended."""
         entry = self._streams.get(stream_id)
-        if entry is not None and entry.frames:
+        if entry is not None and entry.encoded:
             raise RuntimeError(f"stream {stream_id} already has frames of another encoder")
         if encoder is None:
             self._streams.pop(stream_id, None)
@@ -265,7 +251,7 @@ class FrameCache:
             # Nothing appended yet (a reader that came before the first event): the
             # native entry its first append would have made.
             entry = self._streams[stream_id] = _Frames(NativeEncoder(stream_id))
-        return _EntrySource(entry)
+        return entry
 
     # -- the LogObserver protocol ------------------------------------------------------
 
@@ -275,7 +261,7 @@ class FrameCache:
             if stream_id in self._unencoded:
                 return 0
             entry = self._streams[stream_id] = _Frames(NativeEncoder(stream_id), first_seq)
-        frames = entry.frames
+        frames = entry.encoded
         encode = entry.encoder.encode
         num_bytes = 0
         seq = first_seq
@@ -290,12 +276,12 @@ class FrameCache:
         entry = self._streams.get(stream_id)
         if entry is None:
             return 0
-        return frame_bytes(entry.frames[seq - entry.first_seq])
+        return frame_bytes(entry.encoded[seq - entry.first_seq])
 
     def trimmed(self, stream_id: str, first_seq: int) -> None:
         entry = self._streams.get(stream_id)
         if entry is not None:
-            del entry.frames[: first_seq - entry.first_seq]
+            del entry.encoded[: first_seq - entry.first_seq]
             entry.first_seq = first_seq
 
     def deleted(self, stream_id: str) -> None:

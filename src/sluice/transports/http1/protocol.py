@@ -29,6 +29,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from sluice.transports.answer import Answer, Streamed, Whole
 from sluice.transports.asgi import Scope
@@ -40,6 +41,7 @@ from sluice.transports.sse import SSE_HEADERS, CallbackSSE
 __all__ = [
     "HEADER_LINE_OVERHEAD",
     "BusyConnections",
+    "ExchangeHost",
     "HeadMeter",
     "NativeExchange",
     "set_write_deadline",
@@ -159,19 +161,44 @@ class _Body:
         return body[: max_bytes + 1]
 
 
+async def _no_body(max_bytes: int) -> bytes:
+    """The body of a request whose route reads none."""
+    return b""
+
+
+class ExchangeHost(Protocol):
+    """What a :class:`NativeExchange` needs of its connection (one reference per exchange,
+    not a bound method per callback: a held stream keeps it for its whole life)."""
+
+    def default_headers(self) -> Sequence[Header]:
+        """The server's headers for every response (``date``, ...)."""
+        ...
+
+    def log_access(self, scope: Scope | None, status: int) -> None: ...
+
+    def exchange_done(self, keep_alive: bool) -> None:
+        """The response is complete (``False``: close the connection after it)."""
+        ...
+
+    def exchange_cut(self) -> None:
+        """Abort the connection: the response cannot be completed."""
+        ...
+
+    def send_continue(self) -> None:
+        """The route began to read the body (a ``100 Continue`` may be due)."""
+        ...
+
+
 class NativeExchange:
     """One request answered on the native path, from the end of its head to the end of its
-    response. ``finish(keep_alive)`` is called once its response is complete (``False``:
-    close the connection after it); ``cut()`` when it must be aborted instead. Neither is
-    called after :meth:`connection_lost`."""
+    response. ``host.exchange_done(keep_alive)`` is called once its response is complete
+    (``False``: close the connection after it); ``host.exchange_cut()`` when it must be
+    aborted instead. Neither is called after :meth:`connection_lost`."""
 
     __slots__ = (
         "_body",
         "_chunked",
-        "_cut",
-        "_default_headers",
-        "_finish",
-        "_log_access",
+        "_host",
         "_opener",
         "_route",
         "_scope",
@@ -193,25 +220,19 @@ class NativeExchange:
         *,
         keep_alive: bool,
         chunked: bool,
-        default_headers: Callable[[], Sequence[Header]],
-        log_access: Callable[[Scope, int], None],
-        finish: Callable[[bool], None],
-        cut: Callable[[], None],
-        on_body_read: Callable[[], None],
+        host: ExchangeHost,
     ) -> None:
         self._route = route
-        self._scope = scope
+        self._scope: Scope | None = scope
         self._opener = opener
         self._transport = transport
         self.keep_alive = keep_alive
         self._chunked = chunked
-        self._default_headers = default_headers
-        self._log_access = log_access
-        self._finish = finish
-        self._cut = cut
-        self._body = _Body(opener.limits.max_body_bytes, on_body_read)
-        if not route.takes_body:
-            self._body.complete()
+        self._host = host
+        # Only while a route reads it: a held stream keeps no body (nor its future).
+        self._body: _Body | None = (
+            _Body(opener.limits.max_body_bytes, host.send_continue) if route.takes_body else None
+        )
         self._task: asyncio.Task[None] | None = None
         self._shutting_down = False
         self.sse: CallbackSSE | None = None
@@ -227,11 +248,12 @@ class NativeExchange:
     # -- the request -------------------------------------------------------------------
 
     def feed_body(self, data: bytes) -> None:
-        if self._route.takes_body:
+        if self._body is not None:
             self._body.feed(data)
 
     def body_complete(self) -> None:
-        self._body.complete()
+        if self._body is not None:
+            self._body.complete()
 
     def stop_keep_alive(self) -> None:
         """Close the connection after this response (its head may still be to write)."""
@@ -239,14 +261,15 @@ class NativeExchange:
 
     async def _answer(self) -> None:
         try:
-            answer = await self._route.answer(self._scope, self._body.read)
+            body = self._body
+            scope = self._scope or {}
+            answer = await self._route.answer(scope, _no_body if body is None else body.read)
         except Exception:
-            logger.exception(
-                "the answer to %s %s failed", self._scope.get("method"), self._scope.get("path")
-            )
+            logger.exception("the answer to %s %s failed", scope.get("method"), scope.get("path"))
             answer = _INTERNAL_ERROR
             self.keep_alive = False
         self._task = None
+        self._body = None  # the route is done with it
         self.write(answer)
 
     # -- the response ------------------------------------------------------------------
@@ -261,7 +284,7 @@ class NativeExchange:
             self._head(answer.status, answer.with_length(), chunked=False)
             if answer.body:
                 self._transport.write(answer.body)
-            self._finish(self.keep_alive)
+            self._host.exchange_done(self.keep_alive)
             return
         self._head(200, [*SSE_HEADERS, *answer.headers], chunked=self._chunked)
         transport = self._transport
@@ -275,18 +298,18 @@ class NativeExchange:
             set_write_deadline(sock, kernel_write_deadline_s(options))
         # The request is fully handled: drop its scope for the life of a possibly hours-long
         # stream (the next request on this connection makes a new one).
-        self._scope = {}
+        self._scope = None
         self.sse.start()
         if self._shutting_down and self.sse is not None:
             self.sse.interrupt()
 
     def _head(self, status: int, headers: list[Header], *, chunked: bool) -> None:
-        self._log_access(self._scope, status)
+        self._host.log_access(self._scope, status)
         self.responded = True
         self._transport.write(
             response_head(
                 status,
-                [*self._default_headers(), *headers],
+                [*self._host.default_headers(), *headers],
                 chunked=chunked,
                 keep_alive=self.keep_alive,
             )
@@ -300,11 +323,11 @@ class NativeExchange:
         if self.lost or self._transport.is_closing():
             return
         if not clean:  # a stuck or interrupted peer: drop what it did not take, and the socket
-            self._cut()
+            self._host.exchange_cut()
             return
         if self._chunked:
             self._transport.write(LAST_CHUNK)
-        self._finish(self.keep_alive and self._chunked)
+        self._host.exchange_done(self.keep_alive and self._chunked)
 
     # -- what the connection reports ---------------------------------------------------
 
@@ -331,7 +354,8 @@ class NativeExchange:
 
     def connection_lost(self) -> None:
         self.lost = True
-        self._body.lost()
+        if self._body is not None:
+            self._body.lost()
         if self._task is not None:
             self._task.cancel()  # the answer's own cleanup closes its reader
             self._task = None

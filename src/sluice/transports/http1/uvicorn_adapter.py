@@ -429,11 +429,7 @@ class SluiceHttpProtocol(HttpToolsProtocol):
             self.transport,
             keep_alive=keep_alive,
             chunked=http_version != "1.0",
-            default_headers=self._default_headers,
-            log_access=self._log_access,
-            finish=self._exchange_done,
-            cut=self._exchange_cut,
-            on_body_read=self._send_continue,
+            host=self,
         )
         self.exchange = exchange
         # The exchange holds the request now: the connection keeps nothing of it for the
@@ -523,17 +519,17 @@ class SluiceHttpProtocol(HttpToolsProtocol):
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)
 
-    def _default_headers(self) -> list[tuple[bytes, bytes]]:
+    def default_headers(self) -> list[tuple[bytes, bytes]]:
         return self.server_state.default_headers
 
-    def _send_continue(self) -> None:
+    def send_continue(self) -> None:
         """The route reads the body: a client that asked (``Expect: 100-continue``, RFC
         9110 section 10.1.1) may send it now."""
         if self.expect_100_continue and not self.transport.is_closing():
             self.expect_100_continue = False
             self.transport.write(_CONTINUE)
 
-    def _log_access(self, scope: Scope | None, status: int) -> None:
+    def log_access(self, scope: Scope | None, status: int) -> None:
         if not self.access_log or scope is None:
             return
         # Quoted as uvicorn quotes its own lines: a decoded %0d%0a would forge a line.
@@ -554,7 +550,7 @@ class SluiceHttpProtocol(HttpToolsProtocol):
         """Write a refusal of the protocol's own, then close (lingering)."""
         if self.transport.is_closing():
             return
-        self._log_access(cast(Scope | None, self.scope), whole.status)
+        self.log_access(cast(Scope | None, self.scope), whole.status)
         head = response_head(
             whole.status,
             [*self.server_state.default_headers, *whole.with_length()],
@@ -564,7 +560,7 @@ class SluiceHttpProtocol(HttpToolsProtocol):
         self._end_request()
         self._close_lingering()
 
-    def _exchange_done(self, keep_alive: bool) -> None:
+    def exchange_done(self, keep_alive: bool) -> None:
         self.exchange = None
         self._end_request()
         if not keep_alive or self.discarding:
@@ -572,6 +568,6 @@ class SluiceHttpProtocol(HttpToolsProtocol):
             return
         self.on_response_complete()
 
-    def _exchange_cut(self) -> None:
+    def exchange_cut(self) -> None:
         self.exchange = None
         self.transport.abort()
