@@ -53,7 +53,7 @@ from sluice.backends.base import (
 from sluice.dialects.base import ParsedRequest, RequestLimits
 from sluice.errors import InvalidParameterError
 
-__all__ = ["parse_responses"]
+__all__ = ["ResponsesBody", "parse_responses"]
 
 # Names of tools and ids of calls: OpenAI allows 64 characters; some servers more.
 _Name = Annotated[str, Field(min_length=1, max_length=256)]
@@ -115,7 +115,7 @@ class _TextConfig(_Lenient):
     format: _TextFormat | None = None
 
 
-class _Body(_Lenient):
+class ResponsesBody(_Lenient):
     model: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     input: str | Annotated[list[_Item], Field(min_length=1, max_length=_MAX_ITEMS)]
     instructions: str | None = None
@@ -139,11 +139,11 @@ def _invalid(param: str, message: str) -> InvalidParameterError:
     return InvalidParameterError(f"{param}: {message}", param)
 
 
-def _validate(payload: object) -> _Body:
+def _validate(payload: object) -> ResponsesBody:
     if not isinstance(payload, dict):
         raise InvalidParameterError("request body must be a JSON object")
     try:
-        return _Body.model_validate(payload)
+        return ResponsesBody.model_validate(payload)
     except ValidationError as exc:
         parts = []
         param, depth = "body", -1
@@ -193,7 +193,7 @@ def _text(content: _Content | None, where: str) -> str:
     return "".join(_part_text(part, f"{where}.{i}") for i, part in enumerate(content))
 
 
-def _messages(body: _Body) -> list[ChatMessage]:
+def _messages(body: ResponsesBody) -> list[ChatMessage]:
     """Decisions 1 and 3: the input as a chat history."""
     messages: list[ChatMessage] = []
     if body.instructions is not None:
@@ -233,7 +233,7 @@ def _messages(body: _Body) -> list[ChatMessage]:
     return messages
 
 
-def _tools(body: _Body) -> tuple[Tool, ...]:
+def _tools(body: ResponsesBody) -> tuple[Tool, ...]:
     """Decision 2."""
     tools = []
     for index, tool in enumerate(body.tools or ()):
@@ -278,7 +278,7 @@ def _response_format(text: _TextConfig | None) -> ResponseFormat | None:
     return ResponseFormat("json_schema", _json(schema, "text.format.schema"))
 
 
-def _refuse_stored(body: _Body) -> None:
+def _refuse_stored(body: ResponsesBody) -> None:
     """Decision 5."""
     for field in ("previous_response_id", "conversation", "prompt"):
         if getattr(body, field) is not None:
@@ -287,7 +287,7 @@ def _refuse_stored(body: _Body) -> None:
         raise _invalid("background", "background responses are not supported; stream instead")
 
 
-def _echo(body: _Body, tools: tuple[Tool, ...]) -> str:
+def _echo(body: ResponsesBody, tools: tuple[Tool, ...]) -> str:
     """What the response object repeats of the request (the renderer's decision 7)."""
     echo: dict[str, object] = {
         "instructions": body.instructions,

@@ -77,7 +77,15 @@ from sluice.events import (
     Usage,
 )
 
-__all__ = ["DIALECT", "HEADERS", "UIAccumulator", "UIChunkRenderer", "VercelUI", "parse_ui_chat"]
+__all__ = [
+    "DIALECT",
+    "HEADERS",
+    "UIAccumulator",
+    "UIChatBody",
+    "UIChunkRenderer",
+    "VercelUI",
+    "parse_ui_chat",
+]
 
 HEADERS: Final[Mapping[str, str]] = {"x-vercel-ai-ui-message-stream": "v1"}
 """The response header that names the protocol (the ``ai`` package's own)."""
@@ -112,7 +120,7 @@ class _UIMessage(_Lenient):
     parts: Annotated[list[_Part], Field(max_length=_MAX_PARTS)]
 
 
-class _Body(_Lenient):
+class UIChatBody(_Lenient):
     """``id``, ``trigger`` and ``messageId`` change nothing here: a regenerate request's
     ``messages`` already end before the message it replaces."""
 
@@ -132,11 +140,11 @@ def _invalid(param: str, message: str) -> InvalidParameterError:
     return InvalidParameterError(f"{param}: {message}", param)
 
 
-def _validate(payload: object) -> _Body:
+def _validate(payload: object) -> UIChatBody:
     if not isinstance(payload, dict):
         raise InvalidParameterError("request body must be a JSON object")
     try:
-        return _Body.model_validate(payload)
+        return UIChatBody.model_validate(payload)
     except ValidationError as exc:
         parts = []
         param: str | None = None

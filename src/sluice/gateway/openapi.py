@@ -21,7 +21,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from sluice import __version__
+from sluice.dialects.openai_responses_request import ResponsesBody
+from sluice.dialects.registry import API_DIALECTS
 from sluice.dialects.requests import ChatBody, CompletionBody, MessagesBody
+from sluice.dialects.vercel_ui import UIChatBody
 from sluice.gateway.auth import RESUME_TOKEN_HEADER, TOKEN_PARAM
 from sluice.gateway.requests import CreateStreamBody
 from sluice.gateway.settings import Settings
@@ -39,6 +42,8 @@ _BODIES: dict[str, type[BaseModel]] = {
     "ChatCompletionRequest": ChatBody,
     "CompletionRequest": CompletionBody,
     "MessagesRequest": MessagesBody,
+    "ResponsesRequest": ResponsesBody,
+    "UIChatRequest": UIChatBody,
 }
 _SSE = "text/event-stream"
 _JSON = "application/json"
@@ -332,7 +337,8 @@ def _compat_paths() -> dict[str, JSON]:
         }
 
     def compat(operation_id: str, summary: str, body: str, dialect: str) -> JSON:
-        answer_schema, errors = f"{dialect}Response", f"{dialect}Error"
+        answer_schema = f"{dialect}Response"
+        errors = "OpenAIError" if dialect in ("Responses", "UIChat") else f"{dialect}Error"
         return {
             "post": _operation(
                 operation_id,
@@ -344,26 +350,26 @@ def _compat_paths() -> dict[str, JSON]:
             )
         }
 
-    return {
-        "/v1/chat/completions": compat(
+    # Per registered dialect: operation id, summary, body, and the prefix of its answer,
+    # event and error schemas. A dialect missing here fails every test that reads this.
+    described = {
+        "openai_chat": (
             "createChatCompletion",
             "OpenAI Chat Completions",
             "ChatCompletionRequest",
             "OpenAI",
         ),
-        "/v1/completions": compat(
+        "openai_completions": (
             "createCompletion",
             "OpenAI Completions",
             "CompletionRequest",
             "OpenAI",
         ),
-        "/v1/messages": compat(
-            "createMessage",
-            "Anthropic Messages",
-            "MessagesRequest",
-            "Anthropic",
-        ),
+        "anthropic": ("createMessage", "Anthropic Messages", "MessagesRequest", "Anthropic"),
+        "openai_responses": ("createResponse", "OpenAI Responses", "ResponsesRequest", "Responses"),
+        "vercel_ui": ("createUIChat", "Vercel AI SDK UI message stream", "UIChatRequest", "UIChat"),
     }
+    return {d.path: compat(*described[d.name]) for d in API_DIALECTS}
 
 
 def _string_fields(*names: str) -> JSON:
@@ -433,10 +439,25 @@ def _response_schemas() -> dict[str, JSON]:
         *("message_start", "ping", "message_delta", "message_stop", "error"),
         *("content_block_start", "content_block_delta", "content_block_stop"),
     ]
+    responses_events = [
+        *("response.created", "response.in_progress", "response.completed"),
+        *("response.incomplete", "response.failed", "error"),
+        *("response.output_item.added", "response.output_item.done"),
+        *("response.content_part.added", "response.content_part.done"),
+        *("response.output_text.delta", "response.output_text.done"),
+        *("response.function_call_arguments.delta", "response.function_call_arguments.done"),
+    ]
     return {
         "NativeEvent": event(["start", "token", "usage", "done", "error"], ["id"]),
         "OpenAIEvent": event(["message"], []),
         "AnthropicEvent": event(anthropic_events, []),
+        "ResponsesEvent": event(responses_events, []),
+        "UIChatEvent": {
+            "type": "object",
+            "description": "a UI message chunk as JSON (its `type` says which), or `[DONE]`",
+            "required": ["data"],
+            "properties": {"data": {"type": "string"}},
+        },
         "Stream": stream,
         "CreatedStream": created,
         "Dropped": {
@@ -480,6 +501,27 @@ def _response_schemas() -> dict[str, JSON]:
                 "choices": {"type": "array", "items": {"type": "object"}},
             },
         },
+        "ResponsesResponse": {
+            "type": "object",
+            "required": ["id", "object", "created_at", "model", "status", "output"],
+            "properties": {
+                **_string_fields("id", "model", "status"),
+                "object": {"const": "response"},
+                "created_at": {"type": "integer"},
+                "output": {"type": "array", "items": {"type": "object"}},
+            },
+        },
+        "UIChatResponse": {
+            "type": "object",
+            "description": 'the assistant\'s UIMessage (`"stream": false`)',
+            "required": ["id", "role", "parts"],
+            "properties": {
+                "id": {"type": "string"},
+                "role": {"const": "assistant"},
+                "parts": {"type": "array", "items": {"type": "object"}},
+                "metadata": {"type": "object"},
+            },
+        },
         "AnthropicResponse": {
             "type": "object",
             "required": ["id", "type", "role", "content"],
@@ -511,8 +553,13 @@ def _settings_bounds(schemas: dict[str, JSON], settings: Settings) -> None:
                 _bound(fields[tokens], "maximum", settings.max_tokens_limit)
         if "prompt" in fields:
             _bound(fields["prompt"], "maxLength", settings.max_prompt_chars)
-    messages: dict[str, JSON] = schemas["MessagesRequest"]["properties"]  # type: ignore[assignment]
-    _bound(messages["max_tokens"], "maximum", settings.max_tokens_limit)
+    for name, tokens in (
+        ("MessagesRequest", "max_tokens"),
+        ("ResponsesRequest", "max_output_tokens"),
+        ("UIChatRequest", "max_tokens"),
+    ):
+        body: dict[str, JSON] = schemas[name]["properties"]  # type: ignore[assignment]
+        _bound(body[tokens], "maximum", settings.max_tokens_limit)
     native: dict[str, JSON] = schemas["CreateStreamRequest"]["properties"]  # type: ignore[assignment]
     _bound(native["interval_ms"], "maximum", settings.max_interval_ms)
 
