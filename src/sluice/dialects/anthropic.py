@@ -65,7 +65,7 @@ from sluice.dialects.common import (
     dumps,
     failure_of,
 )
-from sluice.dialects.requests import parse_anthropic_messages
+from sluice.dialects.requests import MessagesBody, parse_anthropic_messages
 from sluice.errors import ProtocolError
 from sluice.events import (
     Error,
@@ -373,6 +373,7 @@ class _AnthropicMessages:
     name = "anthropic"
     path = "/v1/messages"
     response_id_prefix = "msg_"
+    request_model = MessagesBody
     retry_hint = False  # see sluice.dialects.base.Dialect.retry_hint
 
     def parse(self, payload: object, limits: RequestLimits) -> ParsedRequest:

@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pydantic import BaseModel
+
 from sluice.backends.base import GenerationRequest
 from sluice.errors import ConfigError
 from sluice.events import NeutralEvent, RenderMeta
@@ -122,6 +124,11 @@ class ApiDialect(Dialect, Protocol):
     @property
     def response_id_prefix(self) -> str:
         """What a response id starts with (``chatcmpl-``, ``msg_``, ...)."""
+        ...
+
+    @property
+    def request_model(self) -> type[BaseModel]:
+        """The pydantic model that validates its body (what ``GET /openapi.json`` shows)."""
         ...
 
     def parse(self, payload: object, limits: RequestLimits) -> ParsedRequest:

@@ -42,6 +42,7 @@ from collections.abc import Mapping
 from typing import Literal
 
 import orjson
+from pydantic import BaseModel
 
 from sluice.dialects.base import ParsedRequest, RenderMeta, RequestLimits
 from sluice.dialects.common import (
@@ -51,7 +52,7 @@ from sluice.dialects.common import (
     dumps,
     failure_of,
 )
-from sluice.dialects.requests import parse_openai
+from sluice.dialects.requests import ChatBody, CompletionBody, parse_openai
 from sluice.errors import ProtocolError
 from sluice.events import (
     Error,
@@ -360,7 +361,7 @@ class OpenAIDialect:
     """The OpenAI Chat Completions or Completions API as a dialect (see
     :mod:`sluice.dialects.openai_chat`, :mod:`sluice.dialects.openai_completions`)."""
 
-    __slots__ = ("_kind", "name", "path", "response_id_prefix")
+    __slots__ = ("_kind", "name", "path", "request_model", "response_id_prefix")
 
     retry_hint = False  # see sluice.dialects.base.Dialect.retry_hint
 
@@ -369,6 +370,7 @@ class OpenAIDialect:
         self.name = name
         self.path = path
         self.response_id_prefix = prefix
+        self.request_model: type[BaseModel] = ChatBody if kind == "chat" else CompletionBody
 
     def parse(self, payload: object, limits: RequestLimits) -> ParsedRequest:
         return parse_openai(payload, limits, chat=self._kind == "chat")

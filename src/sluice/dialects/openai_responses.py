@@ -70,7 +70,7 @@ import orjson
 from sluice.dialects import openai
 from sluice.dialects.base import Message, ParsedRequest, RequestLimits
 from sluice.dialects.common import Failure, WholeResponse, dumps, failure_of
-from sluice.dialects.openai_responses_request import parse_responses
+from sluice.dialects.openai_responses_request import ResponsesBody, parse_responses
 from sluice.errors import ProtocolError
 from sluice.events import (
     Error,
@@ -462,6 +462,7 @@ class OpenAIResponses:
     name: Final = "openai_responses"
     path: Final = "/v1/responses"
     response_id_prefix: Final = "resp_"
+    request_model: Final = ResponsesBody
     retry_hint: Final = False  # the SDK's parser is not an EventSource
 
     def parse(self, payload: object, limits: RequestLimits) -> ParsedRequest:

@@ -419,6 +419,7 @@ class VercelUI:
     name: Final = "vercel_ui"
     path: Final = "/v1/ui/chat"
     response_id_prefix: Final = "uimsg_"
+    request_model: Final = UIChatBody
     retry_hint: Final = False  # as the AI SDK's own servers
 
     def parse(self, payload: object, limits: RequestLimits) -> ParsedRequest:

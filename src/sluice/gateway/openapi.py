@@ -21,10 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from sluice import __version__
-from sluice.dialects.openai_responses_request import ResponsesBody
 from sluice.dialects.registry import API_DIALECTS
-from sluice.dialects.requests import ChatBody, CompletionBody, MessagesBody
-from sluice.dialects.vercel_ui import UIChatBody
 from sluice.gateway.auth import RESUME_TOKEN_HEADER, TOKEN_PARAM
 from sluice.gateway.requests import CreateStreamBody
 from sluice.gateway.settings import Settings
@@ -36,15 +33,29 @@ __all__ = ["openapi_document", "openapi_endpoint"]
 JSON = dict[str, object]
 
 _REF = "#/components/schemas/{model}"
-# Public names for the request models (the compatible ones are private classes).
-_BODIES: dict[str, type[BaseModel]] = {
-    "CreateStreamRequest": CreateStreamBody,
-    "ChatCompletionRequest": ChatBody,
-    "CompletionRequest": CompletionBody,
-    "MessagesRequest": MessagesBody,
-    "ResponsesRequest": ResponsesBody,
-    "UIChatRequest": UIChatBody,
+# Per registered dialect (by name): operation id, summary, its request body's public name,
+# and the prefix of its answer, event and error schemas. A dialect missing here fails
+# every test that reads this description.
+_DESCRIBED: dict[str, tuple[str, str, str, str]] = {
+    "openai_chat": (
+        "createChatCompletion",
+        "OpenAI Chat Completions",
+        "ChatCompletionRequest",
+        "OpenAI",
+    ),
+    "openai_completions": ("createCompletion", "OpenAI Completions", "CompletionRequest", "OpenAI"),
+    "anthropic": ("createMessage", "Anthropic Messages", "MessagesRequest", "Anthropic"),
+    "openai_responses": ("createResponse", "OpenAI Responses", "ResponsesRequest", "Responses"),
+    "vercel_ui": ("createUIChat", "Vercel AI SDK UI message stream", "UIChatRequest", "UIChat"),
 }
+
+
+def _bodies() -> dict[str, type[BaseModel]]:
+    """Public names for the request models (the dialects' own classes may be private)."""
+    compat = {_DESCRIBED[d.name][2]: d.request_model for d in API_DIALECTS}
+    return {"CreateStreamRequest": CreateStreamBody, **compat}
+
+
 _SSE = "text/event-stream"
 _JSON = "application/json"
 
@@ -350,26 +361,7 @@ def _compat_paths() -> dict[str, JSON]:
             )
         }
 
-    # Per registered dialect: operation id, summary, body, and the prefix of its answer,
-    # event and error schemas. A dialect missing here fails every test that reads this.
-    described = {
-        "openai_chat": (
-            "createChatCompletion",
-            "OpenAI Chat Completions",
-            "ChatCompletionRequest",
-            "OpenAI",
-        ),
-        "openai_completions": (
-            "createCompletion",
-            "OpenAI Completions",
-            "CompletionRequest",
-            "OpenAI",
-        ),
-        "anthropic": ("createMessage", "Anthropic Messages", "MessagesRequest", "Anthropic"),
-        "openai_responses": ("createResponse", "OpenAI Responses", "ResponsesRequest", "Responses"),
-        "vercel_ui": ("createUIChat", "Vercel AI SDK UI message stream", "UIChatRequest", "UIChat"),
-    }
-    return {d.path: compat(*described[d.name]) for d in API_DIALECTS}
+    return {d.path: compat(*_DESCRIBED[d.name]) for d in API_DIALECTS}
 
 
 def _string_fields(*names: str) -> JSON:
@@ -566,11 +558,12 @@ def _settings_bounds(schemas: dict[str, JSON], settings: Settings) -> None:
 
 def openapi_document(settings: Settings | None = None) -> JSON:
     """The whole description of a server with ``settings``, as a JSON-ready dict."""
+    bodies = _bodies()
     _, definitions = models_json_schema(
-        [(model, "validation") for model in _BODIES.values()], ref_template=_REF
+        [(model, "validation") for model in bodies.values()], ref_template=_REF
     )
     schemas: dict[str, JSON] = dict(definitions.get("$defs", {}))
-    for public, model in _BODIES.items():
+    for public, model in bodies.items():
         # Named after their classes; no schema refers to a request body, so a rename is safe.
         schemas[public] = schemas.pop(model.__name__)
     settings = settings or Settings()
