@@ -18,7 +18,7 @@ import contextlib
 import functools
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from importlib import resources as package_data
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -31,6 +31,7 @@ from sluice.backends.base import Backend
 from sluice.backends.words import WordsBackend
 from sluice.dialects import anthropic
 from sluice.errors import SluiceError
+from sluice.gateway.admin import AdminApi
 from sluice.gateway.auth import Auth
 from sluice.gateway.compat import CompatAPI
 from sluice.gateway.cors import CorsMiddleware, CorsPolicy
@@ -46,6 +47,10 @@ from sluice.streams.hub import StreamHub
 from sluice.streams.log import LogLimits
 from sluice.streams.memory import MemoryEventLog
 from sluice.transports.asgi import Receive, Scope, Send
+
+if TYPE_CHECKING:  # loaded only with --models-config (it imports scipy)
+    from sluice.rollout.controller import Rollouts
+    from sluice.rollout.state import Decision
 
 __all__ = ["SluiceApp", "create_app"]
 
@@ -66,8 +71,10 @@ class SluiceApp:
         backends: Mapping[str, Backend],
         resources: Sequence[contextlib.AbstractAsyncContextManager[object]] = (),
         auth: Auth | None = None,
+        rollouts: Rollouts | None = None,
     ) -> None:
         self.settings = settings
+        self.rollouts = rollouts
         self.auth = auth or Auth.anonymous()
         self._resources = tuple(resources)
         log = MemoryEventLog(LogLimits(settings.max_log_records, settings.max_log_bytes))
@@ -89,6 +96,10 @@ class SluiceApp:
         page = package_data.files("sluice.web").joinpath("index.html").read_text("utf-8")
         api = NativeApi(self.hub, settings, page, self.metrics, self.auth)
         compat = CompatAPI(self.hub, settings, self.streams.options, self.metrics, self.auth)
+        dashboard = package_data.files("sluice.web").joinpath("dashboard.html").read_text("utf-8")
+        admin = AdminApi(rollouts, self.auth, dashboard)
+        if rollouts is not None:
+            self._count_decisions(rollouts)
         self._framework = Starlette(
             routes=[
                 Route("/", api.page, methods=["GET"]),
@@ -103,11 +114,27 @@ class SluiceApp:
                 Route("/v1/streams/{stream_id}/cancel", api.cancel_stream, methods=["POST"]),
                 Route("/v1/streams/{stream_id}/drop", api.drop_connections, methods=["POST"]),
                 *compat.routes(),
+                Route("/dashboard", admin.dashboard, methods=["GET"]),
+                Route("/v1/admin/rollouts", admin.rollouts, methods=["GET"]),
+                Route("/v1/admin/rollouts/{alias:path}", admin.act, methods=["POST"]),
             ],
             middleware=[Middleware(CorsMiddleware, policy=self.cors)],
             exception_handlers={HTTPException: _http_error},
             lifespan=self._lifespan,
         )
+
+    def _count_decisions(self, rollouts: Rollouts) -> None:
+        """Rollout decisions become metrics (and the weights gauges start at the config's)."""
+        metrics = self.metrics
+
+        def decided(alias: str, decision: Decision) -> None:
+            weights = rollouts.get(alias).weights()
+            metrics.rollout_decided(alias, decision.action.value, decision.by, weights)
+
+        for alias in rollouts.names:
+            for version, weight in rollouts.get(alias).weights().items():
+                metrics.rollout_weight.labels(alias, version).set(weight)
+        rollouts.on_decision = decided
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -167,14 +194,16 @@ def create_app(
     backends: Mapping[str, Backend] | None = None,
     resources: Sequence[contextlib.AbstractAsyncContextManager[object]] = (),
     auth: Auth | None = None,
+    rollouts: Rollouts | None = None,
 ) -> SluiceApp:
     """Build the app; ``backends`` come first in ``/v1/models``, then ``words``, always served.
 
     ``resources`` are entered for the app's lifetime, before the hub starts (for example
     the driver thread of an embedded engine). ``auth`` holds the API keys and the resume
-    token secret; without it every caller is tenant ``"anonymous"``.
+    token secret; without it every caller is tenant ``"anonymous"``. ``rollouts`` are the
+    model aliases' rollouts (their backends are among ``backends``), for the admin API.
     """
     settings = settings or Settings()
     served: dict[str, Backend] = {**(backends or {})}
     served.setdefault("words", WordsBackend())
-    return SluiceApp(settings, served, resources, auth)
+    return SluiceApp(settings, served, resources, auth, rollouts)

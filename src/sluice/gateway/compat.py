@@ -47,7 +47,7 @@ from sluice.gateway.errors import (
     answer_for,
     retry_after,
 )
-from sluice.gateway.requests import read_json_body, received
+from sluice.gateway.requests import read_json_body, received, version_headers, with_version
 from sluice.gateway.settings import Settings
 from sluice.observability.metrics import Metrics
 from sluice.sse import encode_event
@@ -231,7 +231,7 @@ class CompatAPI:
             resumable = request.headers.get(RESUMABLE_HEADER, "").lower() == "true"
             stream = await self._hub.create(
                 parsed.model,
-                received(parsed.generation, request.scope),
+                received(parsed.generation, request.scope, tenant),
                 resumable=resumable,
                 tenant=tenant,
             )
@@ -245,16 +245,17 @@ class CompatAPI:
             created=int(stream.created),
             resumable=resumable,
             include_usage=parsed.include_usage,
-            options=parsed.options,
+            options=with_version(parsed.options, stream.generation),
         )
         stream.render = meta
+        versioned = version_headers(stream.generation)  # a model alias's version
         first = await self._hub.first_event(stream.id)
         if isinstance(first, Error):
             self._metrics.refusals.labels(first.type).inc()
             return self._refused(speaker, first, stream.refusal)
         reader = self._hub.open_reader(stream.id, 0)
         if not parsed.stream:
-            return await self._whole(request, speaker, meta, stream, reader)
+            return await self._whole(request, speaker, meta, stream, reader, versioned)
         reader.framer = framer_for(meta, self._hub.log, stream.id, 0)
         headers = [
             *(
@@ -264,6 +265,7 @@ class CompatAPI:
             (STREAM_ID_HEADER.lower().encode(), stream.id.encode()),
             # Resumes (GET /v1/streams/{id}/events?token=) need no key with it.
             (RESUME_TOKEN_HEADER.lower().encode(), self._auth.tokens.mint(stream.id).encode()),
+            *((name.lower().encode(), value.encode()) for name, value in versioned.items()),
         ]
         return _EventStreamResponse(reader, self._options, headers)
 
@@ -274,6 +276,7 @@ class CompatAPI:
         meta: RenderMeta,
         stream: Stream,
         reader: Reader,
+        versioned: dict[str, str],
     ) -> Response:
         """``"stream": false``: wait for the end, answer one JSON object."""
         accumulator = speaker.whole(meta)
@@ -288,8 +291,8 @@ class CompatAPI:
         failure = accumulator.error()
         if failure is not None:
             status, body = failure
-            return JSONResponse(body, status_code=status)
-        headers = {STREAM_ID_HEADER: stream.id}
+            return JSONResponse(body, status_code=status, headers=versioned)
+        headers = {STREAM_ID_HEADER: stream.id, **versioned}
         return JSONResponse(accumulator.result(), headers=headers)
 
     # -- errors in the dialect's shape ----------------------------------------------------

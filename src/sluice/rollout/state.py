@@ -32,6 +32,7 @@ from sluice.errors import RolloutError
 from sluice.rollout.analysis import Evidence, Outcome, Verdict
 from sluice.rollout.assignment import in_canary
 from sluice.rollout.config import AliasConfig, RolloutMode, VersionConfig
+from sluice.rollout.recent import RecentStreams
 
 __all__ = [
     "MAX_DECISIONS",
@@ -121,6 +122,7 @@ class Rollout:
         self.last: Decision | None = None  # the latest, holds included
         self.num_holds = 0
         self.created = now
+        self.recent = {version.name: RecentStreams() for version in alias.versions}
 
     # -- routing --------------------------------------------------------------------------
 
@@ -135,6 +137,9 @@ class Rollout:
 
     def observe(self, outcome: Outcome, *, now: float) -> Decision | None:
         """Count a finished stream; after a canary stream of a running rollout, decide."""
+        canary = self.alias.canary
+        version = canary if outcome.canary and canary is not None else self.alias.stable
+        self.recent[version.name].add(outcome)
         if self.state in (RolloutState.STABLE, RolloutState.PROMOTED):
             return None  # nothing left to compare
         self.evidence.observe(outcome)
@@ -221,6 +226,10 @@ class Rollout:
             "stable": alias.stable.name,
             "canary": None if alias.canary is None else alias.canary.name,
             "weights": self.weights(),
+            "versions": {
+                version.name: {"model": version.model, **self.recent[version.name].describe()}
+                for version in alias.versions
+            },
             "steps": list(alias.analysis.steps),
             "false_alarm_rate": alias.analysis.false_alarm_rate,
             "evidence": self.evidence.summary(),
