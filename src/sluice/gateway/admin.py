@@ -9,6 +9,9 @@
 - ``GET /dashboard``: the page that plots them (:mod:`sluice.web`); it holds no data, the
   admin endpoints do.
 
+Every decision is counted in the metrics (``sluice_rollout_decisions_total``, and the
+weights in ``sluice_rollout_weight_percent``).
+
 Only admins: a key of an ``admin = true`` entry of the auth config, or, when no keys are
 configured (anonymous mode), a caller on a loopback address. Anyone else gets a ``403``
 (a ``401`` when keys are configured and none was sent).
@@ -26,9 +29,11 @@ from sluice.errors import BadRequestError, SluiceError
 from sluice.gateway.auth import Auth
 from sluice.gateway.errors import error_response, response_for
 from sluice.gateway.requests import read_json_body
+from sluice.observability.metrics import Metrics
 
 if TYPE_CHECKING:  # the rollout package (scipy) loads only with --models-config
     from sluice.rollout.controller import Rollouts
+    from sluice.rollout.state import Decision
 
 __all__ = ["AdminApi"]
 
@@ -40,10 +45,14 @@ _MAX_REASON_CHARS = 500
 class AdminApi:
     """The rollout endpoints over one :class:`~sluice.rollout.controller.Rollouts`."""
 
-    def __init__(self, rollouts: Rollouts | None, auth: Auth, dashboard_html: str) -> None:
+    def __init__(
+        self, rollouts: Rollouts | None, auth: Auth, dashboard_html: str, metrics: Metrics
+    ) -> None:
         self._rollouts = rollouts
         self._auth = auth
         self._dashboard_html = dashboard_html
+        if rollouts is not None:
+            _count_decisions(rollouts, metrics)
 
     def _refusal(self, request: Request) -> Response | None:
         """``None`` for an admin; else the ``401``/``403`` to answer."""
@@ -88,6 +97,19 @@ class AdminApi:
 
     async def dashboard(self, request: Request) -> Response:
         return HTMLResponse(self._dashboard_html, headers={"Cache-Control": "no-cache"})
+
+
+def _count_decisions(rollouts: Rollouts, metrics: Metrics) -> None:
+    """Every decision becomes metrics; the weight gauges start at the config's."""
+
+    def decided(alias: str, decision: Decision) -> None:
+        weights = rollouts.get(alias).weights()
+        metrics.rollout_decided(alias, decision.action.value, decision.by, weights)
+
+    for alias in rollouts.names:
+        for version, weight in rollouts.get(alias).weights().items():
+            metrics.rollout_weight.labels(alias, version).set(weight)
+    rollouts.on_decision = decided
 
 
 def _parse_action(payload: object) -> tuple[str, str]:

@@ -50,7 +50,6 @@ from sluice.transports.asgi import Receive, Scope, Send
 
 if TYPE_CHECKING:  # loaded only with --models-config (it imports scipy)
     from sluice.rollout.controller import Rollouts
-    from sluice.rollout.state import Decision
 
 __all__ = ["SluiceApp", "create_app"]
 
@@ -97,9 +96,7 @@ class SluiceApp:
         api = NativeApi(self.hub, settings, page, self.metrics, self.auth)
         compat = CompatAPI(self.hub, settings, self.streams.options, self.metrics, self.auth)
         dashboard = package_data.files("sluice.web").joinpath("dashboard.html").read_text("utf-8")
-        admin = AdminApi(rollouts, self.auth, dashboard)
-        if rollouts is not None:
-            self._count_decisions(rollouts)
+        admin = AdminApi(rollouts, self.auth, dashboard, self.metrics)
         self._framework = Starlette(
             routes=[
                 Route("/", api.page, methods=["GET"]),
@@ -122,19 +119,6 @@ class SluiceApp:
             exception_handlers={HTTPException: _http_error},
             lifespan=self._lifespan,
         )
-
-    def _count_decisions(self, rollouts: Rollouts) -> None:
-        """Rollout decisions become metrics (and the weights gauges start at the config's)."""
-        metrics = self.metrics
-
-        def decided(alias: str, decision: Decision) -> None:
-            weights = rollouts.get(alias).weights()
-            metrics.rollout_decided(alias, decision.action.value, decision.by, weights)
-
-        for alias in rollouts.names:
-            for version, weight in rollouts.get(alias).weights().items():
-                metrics.rollout_weight.labels(alias, version).set(weight)
-        rollouts.on_decision = decided
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:

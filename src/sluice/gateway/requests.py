@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sluice.backends.base import GenerationRequest, model_version
 from sluice.errors import BadEventIdError, BadRequestError
+from sluice.gateway.auth import ANONYMOUS
 from sluice.gateway.errors import (
     JSON_MEDIA_TYPE,
     PayloadTooLargeError,
@@ -190,7 +191,7 @@ def received(
     the creator's ``tenant`` (none for anonymous callers: they are drawn at random)."""
     received_at = scope.get("state", {}).get(RECEIVED_AT_STATE)
     key = generation.routing_key or _header(scope, ROUTING_KEY_HEADER_BYTES)
-    if key is None and tenant is not None and tenant != "anonymous":
+    if key is None and tenant is not None and tenant != ANONYMOUS:
         key = tenant
     if not isinstance(received_at, float):
         received_at = generation.received_at

@@ -272,9 +272,11 @@ class Evidence:
         self._base[lanes] = baseline_rates(self.bad[lanes, _STABLE], self.judged[lanes, _STABLE])
         self._base_streams[lanes] = self.judged[lanes, _STABLE, 0]
 
-    def verdicts(self, lanes: _Lanes | None = None) -> npt.NDArray[np.int64]:
-        """A :class:`Verdict` value per lane."""
-        ratios = self.ratios(lanes)
+    def verdicts(
+        self, lanes: _Lanes | None = None, ratios: _Floats | None = None
+    ) -> npt.NDArray[np.int64]:
+        """A :class:`Verdict` value per lane (``ratios``: :meth:`ratios` of those lanes)."""
+        ratios = self.ratios(lanes) if ratios is None else ratios
         steps = self.step_streams[slice(None) if lanes is None else lanes]
         back = (ratios >= self.rollback_ratio).any(axis=1)
         ready = (steps >= self.settings.step_streams) & (ratios <= 0).all(axis=1)
@@ -283,8 +285,9 @@ class Evidence:
 
     def verdict(self) -> tuple[Verdict, str]:
         """Lane 0's verdict and the reason for it, in words."""
-        ratios = self.ratios()[0]
-        code = Verdict(int(self.verdicts()[0]))
+        all_ratios = self.ratios()
+        code = Verdict(int(self.verdicts(ratios=all_ratios)[0]))
+        ratios = all_ratios[0]
         worst = int(np.argmax(ratios))
         name = METRICS[worst]
         judged, bad = self.judged[0], self.bad[0]
