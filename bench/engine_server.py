@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import sluice.cli
 from sluice.backends.base import Backend, Delta, GenerationRequest
@@ -33,6 +34,9 @@ from sluice.gateway.app import SluiceApp, create_app
 from sluice.gateway.auth import Auth
 from sluice.gateway.settings import Settings
 from step_clock import StepClock, token_text
+
+if TYPE_CHECKING:
+    from sluice.rollout.controller import Rollouts
 
 __all__ = ["StepBackend", "StepGeneration", "create_step_app", "main"]
 
@@ -118,11 +122,12 @@ def create_step_app(
     backends: Mapping[str, Backend] | None = None,
     resources: Sequence[contextlib.AbstractAsyncContextManager[object]] = (),
     auth: Auth | None = None,
+    rollouts: Rollouts | None = None,
 ) -> SluiceApp:
     """``create_app`` with the ``words`` model served by :class:`StepBackend` (run with
     ``--no-model``: other backends are served beside it)."""
     served: dict[str, Backend] = {**(backends or {}), "words": StepBackend("words")}
-    return create_app(settings, served, resources, auth)
+    return create_app(settings, served, resources, auth, rollouts)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

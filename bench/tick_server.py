@@ -25,6 +25,7 @@ import contextlib
 import sys
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import sluice.cli
 from sluice.backends.base import Backend, Delta, GenerationRequest
@@ -32,6 +33,9 @@ from sluice.events import FinishReason, TextDelta, Usage
 from sluice.gateway.app import SluiceApp, create_app
 from sluice.gateway.auth import Auth
 from sluice.gateway.settings import Settings
+
+if TYPE_CHECKING:
+    from sluice.rollout.controller import Rollouts
 
 __all__ = ["TickBackend", "TickGeneration", "main"]
 
@@ -105,11 +109,12 @@ def create_tick_app(
     backends: Mapping[str, Backend] | None = None,
     resources: Sequence[contextlib.AbstractAsyncContextManager[object]] = (),
     auth: Auth | None = None,
+    rollouts: Rollouts | None = None,
 ) -> SluiceApp:
     """``create_app`` with the ``words`` model served by :class:`TickBackend` (run with
     ``--no-model``: other backends are served beside it)."""
     served: dict[str, Backend] = {**(backends or {}), "words": TickBackend("words")}
-    return create_app(settings, served, resources, auth)
+    return create_app(settings, served, resources, auth, rollouts)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

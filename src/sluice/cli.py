@@ -16,6 +16,7 @@ import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -48,6 +49,9 @@ from sluice.gateway.settings import (
 )
 from sluice.observability.logs import LOG_FORMATS, configure_logging
 from sluice.transports.http1.uvicorn_adapter import exit_without_reraise, protocol_class
+
+if TYPE_CHECKING:
+    from sluice.rollout.controller import Rollouts
 
 __all__ = ["BUNDLED_MODEL", "build_parser", "main"]
 
@@ -139,6 +143,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="a TOML file of [[upstream]] tables (name, base_url, model, api_key_env, "
         "connect_timeout_s, read_timeout_s) to proxy several upstreams",
+    )
+    serve.add_argument(
+        "--models-config",
+        type=Path,
+        metavar="FILE",
+        help="a TOML file of [[alias]] tables: public model names whose versions (served "
+        "models, or words with fault options) get weighted, sticky shares of streams and "
+        "canary releases (README: Canary releases)",
+    )
+    serve.add_argument(
+        "--rollout-state",
+        type=Path,
+        metavar="FILE",
+        help="where the aliases' rollouts (weights, decisions, evidence) are kept across "
+        "restarts, written atomically (default: not kept)",
     )
     serve.add_argument(
         "--kv-blocks",
@@ -614,6 +633,25 @@ def _weights_version(directory: Path) -> str:
     return digest.hexdigest()[:12]
 
 
+def _rollouts(args: argparse.Namespace, backends: dict[str, Backend]) -> Rollouts | None:
+    """The aliases of ``--models-config``, added to ``backends``; ``None`` without it."""
+    if args.models_config is None:
+        if args.rollout_state is not None:
+            raise ConfigError("--rollout-state needs --models-config")
+        return None
+    # Imported here: the analysis loads scipy (a second of start-up) only when asked for.
+    from sluice.rollout.backend import alias_backends
+    from sluice.rollout.config import load_models_config
+    from sluice.rollout.controller import Rollouts
+    from sluice.rollout.store import StateFile
+
+    config = load_models_config(args.models_config)
+    state = None if args.rollout_state is None else StateFile(args.rollout_state)
+    rollouts = Rollouts(config, state_file=state)
+    backends.update(alias_backends(config, backends, rollouts))
+    return rollouts
+
+
 def _upstreams(args: argparse.Namespace) -> list[UpstreamSpec]:
     """The upstreams of ``--upstream-config`` and ``--upstream``."""
     specs = [] if args.upstream_config is None else load_upstream_config(args.upstream_config)
@@ -747,7 +785,12 @@ def serve(args: argparse.Namespace) -> int:
         resources.append(engine)
     if backends:
         settings = dataclasses.replace(settings, default_model=next(iter(backends)))
-    app = create_app(settings, backends, resources, auth)
+    try:
+        rollouts = _rollouts(args, backends)
+    except ConfigError as exc:
+        print(f"sluice serve: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(settings, backends, resources, auth, rollouts)
     listener = None if args.fd is None else inherited_listener(args.fd)
     config = uvicorn.Config(
         app,

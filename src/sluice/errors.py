@@ -20,7 +20,8 @@ errors are translated at the boundary (``raise ... from exc``) into one of these
     ├── BackendError                  a backend failed while generating
     ├── CapacityError                 no room for another stream; carries ``retry_after_s``
     │   └── TenantLimitError          the tenant holds its maximum of live streams (429)
-    └── ConfigError                   settings that cannot work
+    ├── ConfigError                   settings that cannot work
+    └── RolloutError                  an admin action a rollout's state does not allow (409)
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "LineTooLongError",
     "ProtocolError",
     "ResumeGapError",
+    "RolloutError",
     "SSEDecodeError",
     "SSEEncodeError",
     "SluiceError",
@@ -148,6 +150,11 @@ class BackendError(SluiceError):
 
 class ConfigError(SluiceError, ValueError):
     """Settings that cannot work."""
+
+
+class RolloutError(SluiceError):
+    """An action on a model alias's rollout that its state does not allow, or an unknown
+    action; the message names the alias and the state."""
 
 
 class CapacityError(SluiceError):

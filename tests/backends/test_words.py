@@ -19,7 +19,7 @@ from sluice.backends.base import (
     ToolChoiceMode,
 )
 from sluice.backends.words import WordsBackend, count_words, split_words
-from sluice.errors import BadRequestError
+from sluice.errors import BackendError, BadRequestError, ConfigError
 from sluice.events import FinishReason, TextDelta, ToolCallDelta, Usage
 
 
@@ -158,3 +158,60 @@ def test_tools_the_model_must_not_call_and_a_text_format_are_accepted() -> None:
         response_format=ResponseFormat("text"),
     )
     assert (text, reason) == ("a b", FinishReason.STOP)
+
+
+async def _first_delta_or_error(backend: WordsBackend) -> str:
+    generation = backend.generate(GenerationRequest(prompt="one two"))
+    await generation.start()
+    try:
+        async for delta in generation:
+            return "".join(e.text for e in delta.events if isinstance(e, TextDelta))
+    except BackendError as exc:
+        return f"error: {exc}"
+    return ""
+
+
+def test_fault_error_rate_fails_that_share_of_streams_evenly_and_deterministically() -> None:
+    backend = WordsBackend(fault_error_rate=0.3)
+
+    async def run() -> list[str]:
+        return [await _first_delta_or_error(backend) for _ in range(20)]
+
+    results = asyncio.run(run())
+    failed = [n for n, result in enumerate(results, start=1) if result.startswith("error: ")]
+    assert failed == [4, 7, 10, 14, 17, 20]
+    assert "injected fault" in results[3]
+    assert results[0] == "one two"
+
+
+def test_no_faults_by_default_and_every_stream_fails_at_rate_one() -> None:
+    async def run(backend: WordsBackend) -> list[str]:
+        return [await _first_delta_or_error(backend) for _ in range(5)]
+
+    assert asyncio.run(run(WordsBackend())) == ["one two"] * 5
+    assert all(r.startswith("error: ") for r in asyncio.run(run(WordsBackend(fault_error_rate=1))))
+
+
+def test_fault_latency_delays_the_first_token_by_at_least_that_much() -> None:
+    backend = WordsBackend(fault_latency_ms=50)
+
+    async def run() -> float:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert await _first_delta_or_error(backend) == "one two"
+        return loop.time() - started
+
+    # A lower bound (less the loop clock's resolution): a busy machine only adds to it.
+    assert asyncio.run(run()) >= 0.05 - 0.001
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"fault_error_rate": 1.5}, "fault_error_rate"),
+        ({"fault_latency_ms": -1}, "fault_latency_ms"),
+    ],
+)
+def test_bad_fault_options_are_refused(options: dict[str, float], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        WordsBackend(**options)

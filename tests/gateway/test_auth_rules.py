@@ -172,3 +172,23 @@ def test_an_unknown_id_costs_the_same_checks_as_another_tenants_stream() -> None
         auth.find(lookup, "str_gone", Caller(None, tokens.mint("str_gone")))
     assert auth.find(lookup, "str_foreign", Caller("a")) is foreign
     assert auth.find(lookup, "str_foreign", Caller("b", tokens.mint("str_foreign"))) is foreign
+
+
+def test_admin_is_an_admin_key_or_a_loopback_caller_without_keys(tmp_path: Path) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(
+        '[[key]]\ntenant = "ops"\nkey_env = "OPS"\nadmin = true\n'
+        '[[key]]\ntenant = "team"\nkey_env = "TEAM"\n'
+    )
+    keys = load_key_file(path, {"OPS": "ops-key", "TEAM": "team-key"})
+    assert [key.admin for key in keys] == [True, False]
+    auth = Auth(keys, allow_anonymous=True, tokens=ResumeTokens.random())
+    assert auth.is_admin([(b"authorization", b"Bearer ops-key")], loopback=False)
+    assert not auth.is_admin([(b"authorization", b"Bearer team-key")], loopback=True)
+    assert not auth.is_admin([], loopback=True)  # keys configured: loopback is not enough
+    anonymous = Auth.anonymous()
+    assert anonymous.is_admin([], loopback=True)
+    assert not anonymous.is_admin([(b"authorization", b"Bearer anything")], loopback=False)
+    path.write_text('[[key]]\ntenant = "ops"\nkey_env = "OPS"\nadmin = "yes"\n')
+    with pytest.raises(ConfigError, match="'admin' must be true or false"):
+        load_key_file(path, {"OPS": "ops-key"})

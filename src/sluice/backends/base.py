@@ -47,6 +47,7 @@ __all__ = [
     "ToolCall",
     "ToolChoice",
     "ToolChoiceMode",
+    "model_version",
     "refuse_tools",
 ]
 
@@ -147,6 +148,9 @@ class GenerationRequest:
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    # Who the stream is for, as a model alias routes it (sluice.rollout.assignment): the
+    # request's ``user``, an ``X-Sluice-Routing-Key`` header, else the API key's tenant.
+    routing_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +192,13 @@ class Backend(Protocol):
     def generate(self, request: GenerationRequest) -> Generation: ...
 
     async def aclose(self) -> None: ...
+
+
+def model_version(generation: object) -> str | None:
+    """The version of a model alias that ``generation`` runs on (a
+    :class:`~sluice.rollout.backend.RoutedGeneration` names it), else ``None``."""
+    version = getattr(generation, "model_version", None)
+    return version if isinstance(version, str) else None
 
 
 def refuse_tools(request: GenerationRequest) -> None:

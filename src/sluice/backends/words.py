@@ -11,17 +11,26 @@ never sent, and the stream finishes ``stop`` with that string as the
 ``stop_sequence``. The word ending there is cut short if the stop string begins inside
 it. ``max_tokens`` still counts words of what is sent. Tools and constrained output are
 refused (:func:`~sluice.backends.base.refuse_tools`).
+
+Fault injection, for tests and demos of canary releases (a version of a model alias may
+be ``words`` with faults, see :mod:`sluice.rollout.config`): ``fault_error_rate`` fails that
+share of the backend's streams with a :class:`~sluice.errors.BackendError` before their
+first token, spread evenly and deterministically (stream ``n``, counted from 1, fails when
+``floor(n * rate)`` grows, so 0.3 fails streams 4, 7, 10, ...: exactly 3 in every 10);
+``fault_latency_ms`` delays every stream's first token by that much.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import re
 from collections.abc import AsyncIterator, Iterator
 from itertools import islice
 
 from sluice.backends.base import Delta, GenerationRequest, refuse_tools
+from sluice.errors import BackendError, ConfigError
 from sluice.events import FinishReason, TextDelta, Usage
 
 __all__ = [
@@ -107,9 +116,20 @@ class WordsGeneration:
     prompt and an iterator, not a list of every word.
     """
 
-    __slots__ = ("_aborted", "_finished", "_num_emitted", "_request", "_stop_sequence", "_text")
+    __slots__ = (
+        "_aborted",
+        "_delay_s",
+        "_fail",
+        "_finished",
+        "_num_emitted",
+        "_request",
+        "_stop_sequence",
+        "_text",
+    )
 
-    def __init__(self, request: GenerationRequest) -> None:
+    def __init__(
+        self, request: GenerationRequest, *, fail: bool = False, delay_s: float = 0.0
+    ) -> None:
         if request.messages:
             request = dataclasses.replace(request, prompt=request.messages[-1].content)
         self._request = request
@@ -118,6 +138,8 @@ class WordsGeneration:
         self._num_emitted = 0
         self._aborted = False
         self._finished = False  # every word of the prompt was sent
+        self._fail = fail  # an injected fault: fail before the first token
+        self._delay_s = delay_s  # an injected delay before the first token
 
     @property
     def num_emitted(self) -> int:
@@ -138,6 +160,10 @@ class WordsGeneration:
         # Paced: one word per delta. Unpaced: bursts of words, yielding the loop between.
         burst = 1 if interval_s > 0 else _UNPACED_BURST
         pos = 0
+        if self._delay_s > 0:
+            await asyncio.sleep(self._delay_s)
+        if self._fail and not self._aborted:
+            raise BackendError("injected fault (fault_error_rate of the words backend)")
         if not text and self._stop_sequence is not None and not self._aborted:
             yield Delta((), FinishReason.STOP, self._stop_sequence)  # stopped before a word
             return
@@ -168,17 +194,29 @@ class WordsGeneration:
 
 
 class WordsBackend:
-    """Serves the model ``words``."""
+    """Serves the model ``words``, optionally with injected faults (see the module doc)."""
 
-    def __init__(self, model: str = "words") -> None:
+    def __init__(
+        self, model: str = "words", *, fault_error_rate: float = 0.0, fault_latency_ms: float = 0.0
+    ) -> None:
+        if not 0 <= fault_error_rate <= 1:
+            raise ConfigError(f"fault_error_rate must be in [0, 1], got {fault_error_rate}")
+        if not 0 <= fault_latency_ms < math.inf:
+            raise ConfigError(f"fault_latency_ms must be finite and >= 0, got {fault_latency_ms}")
         self._model = model
+        self._fault_error_rate = fault_error_rate
+        self._delay_s = fault_latency_ms / 1000
+        self._num_streams = 0
 
     @property
     def model(self) -> str:
         return self._model
 
     def generate(self, request: GenerationRequest) -> WordsGeneration:
-        return WordsGeneration(request)
+        self._num_streams += 1
+        n, rate = self._num_streams, self._fault_error_rate
+        fail = math.floor(n * rate) > math.floor((n - 1) * rate)
+        return WordsGeneration(request, fail=fail, delay_s=self._delay_s)
 
     async def aclose(self) -> None:
         return None

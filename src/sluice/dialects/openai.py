@@ -18,7 +18,9 @@ Streamed chat (``POST /v1/chat/completions`` with ``stream: true``)::
 Every chunk opens with ``id, object, created, model``; with ``include_usage`` every chunk
 but the last carries ``"usage": null``, as OpenAI's do. Decisions, numbered:
 
-1. ``system_fingerprint`` and ``service_tier`` are omitted (both optional in the SDK).
+1. ``service_tier`` is omitted (optional in the SDK), and so is ``system_fingerprint``
+   except for a model alias (``--models-config``): there it names the version that served
+   the response (the render option ``model_version``), in every chunk and whole object.
 2. Rendering an event after the terminal one raises :class:`~sluice.errors.ProtocolError`
    (as h11 raises on an event its state forbids); it never returns a quiet ``[]``.
 3. The first fragment of each tool call index must carry ``id`` and ``name`` (the neutral
@@ -180,6 +182,7 @@ class ChunkRenderer:
         model: str,
         created: int,
         include_usage: bool,
+        system_fingerprint: str = "",
     ) -> None:
         self._kind = kind
         self._include_usage = include_usage
@@ -190,6 +193,8 @@ class ChunkRenderer:
             "created": created,
             "model": model,
         }
+        if system_fingerprint:
+            self._head["system_fingerprint"] = system_fingerprint
         self._usage: Usage | None = None
         self._tool_calls = _ToolCallTracker()
         self._terminated = False
@@ -291,19 +296,27 @@ class Accumulator(WholeResponse):
         "_created",
         "_kind",
         "_model",
+        "_system_fingerprint",
         "_text_parts",
         "_tool_calls",
         "_tracker",
     )
 
     def __init__(
-        self, *, kind: CompletionKind, completion_id: str, model: str, created: int
+        self,
+        *,
+        kind: CompletionKind,
+        completion_id: str,
+        model: str,
+        created: int,
+        system_fingerprint: str = "",
     ) -> None:
         super().__init__(description=f"OpenAI {kind} response", finish_reasons=_FINISH_REASON[kind])
         self._kind = kind
         self._completion_id = completion_id
         self._model = model
         self._created = created
+        self._system_fingerprint = system_fingerprint
         self._text_parts: list[str] = []
         self._tool_calls: dict[int, _ToolCall] = {}
         self._tracker = _ToolCallTracker()
@@ -319,7 +332,7 @@ class Accumulator(WholeResponse):
             choice["text"] = text
         choice["logprobs"] = None
         choice["finish_reason"] = finish_reason
-        return {
+        whole: dict[str, object] = {
             "id": self._completion_id,
             "object": _OBJECT_WHOLE[self._kind],
             "created": self._created,
@@ -327,6 +340,9 @@ class Accumulator(WholeResponse):
             "choices": [choice],
             "usage": _usage_payload(self._usage),
         }
+        if self._system_fingerprint:
+            whole["system_fingerprint"] = self._system_fingerprint
+        return whole
 
     def _text(self, text: str) -> None:
         self._text_parts.append(text)
@@ -382,11 +398,16 @@ class OpenAIDialect:
             model=meta.model,
             created=meta.created,
             include_usage=meta.include_usage,
+            system_fingerprint=meta.option("model_version"),
         )
 
     def whole(self, meta: RenderMeta) -> Accumulator:
         return Accumulator(
-            kind=self._kind, completion_id=meta.response_id, model=meta.model, created=meta.created
+            kind=self._kind,
+            completion_id=meta.response_id,
+            model=meta.model,
+            created=meta.created,
+            system_fingerprint=meta.option("model_version"),
         )
 
     def error_body(

@@ -1,7 +1,9 @@
 """Request bodies of the compatible APIs: OpenAI Chat Completions and Completions, Anthropic
 Messages, parsed into a :class:`~sluice.backends.base.GenerationRequest`.
 
-Fields the official SDKs send that change nothing here (``user``, ``metadata``,
+OpenAI's ``user`` becomes the stream's routing key (a model alias keeps one user on one
+version, :mod:`sluice.rollout.assignment`). Fields the official SDKs send that change
+nothing here (``metadata``,
 ``frequency_penalty`` at 0, ...) are accepted and ignored, as other OpenAI-compatible
 servers do; fields that would change the answer in a way Sluice cannot honour (``n`` above
 1, ``echo``, ``best_of``, the legacy ``functions``) are refused with a 400 that names them.
@@ -85,6 +87,7 @@ class _OpenAICommon(_Lenient):
     stop: _Stop | Annotated[list[_Stop], Field(max_length=16)] | None = None
     n: Annotated[int, Field(ge=1, le=1)] = 1
     ignore_eos: bool = False  # vLLM's extension: run all max_tokens past an end of text
+    user: Annotated[str, Field(max_length=256)] | None = None  # the routing key
 
 
 class ChatBody(_OpenAICommon):
@@ -223,6 +226,7 @@ def parse_openai(payload: object, limits: RequestLimits, *, chat: bool) -> Parse
         seed=body.seed,
         stop=_stops(body.stop),
         ignore_eos=body.ignore_eos,
+        routing_key=body.user or None,
     )
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     model = body.model or limits.default_model

@@ -18,7 +18,7 @@ import contextlib
 import functools
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from importlib import resources as package_data
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -31,6 +31,7 @@ from sluice.backends.base import Backend
 from sluice.backends.words import WordsBackend
 from sluice.dialects.registry import api_dialect
 from sluice.errors import SluiceError
+from sluice.gateway.admin import AdminApi
 from sluice.gateway.auth import Auth
 from sluice.gateway.compat import CompatAPI
 from sluice.gateway.cors import CorsMiddleware, CorsPolicy
@@ -48,6 +49,9 @@ from sluice.streams.log import LogLimits
 from sluice.streams.memory import MemoryEventLog
 from sluice.transports.asgi import Receive, Scope, Send
 from sluice.transports.frames import FrameCache
+
+if TYPE_CHECKING:  # loaded only with --models-config (it imports scipy)
+    from sluice.rollout.controller import Rollouts
 
 __all__ = ["SluiceApp", "create_app"]
 
@@ -69,8 +73,10 @@ class SluiceApp:
         backends: Mapping[str, Backend],
         resources: Sequence[contextlib.AbstractAsyncContextManager[object]] = (),
         auth: Auth | None = None,
+        rollouts: Rollouts | None = None,
     ) -> None:
         self.settings = settings
+        self.rollouts = rollouts
         self.auth = auth or Auth.anonymous()
         self._resources = tuple(resources)
         # Each stream's frames, encoded once per event beside its log (and counted in it).
@@ -108,6 +114,8 @@ class SluiceApp:
         self.opener = GatewayOpener(
             settings, self.streams, compat, self.metrics, cors=self.cors, hosts=self.hosts
         )
+        dashboard = package_data.files("sluice.web").joinpath("dashboard.html").read_text("utf-8")
+        admin = AdminApi(rollouts, self.auth, dashboard, self.metrics)
         self._framework = Starlette(
             routes=[
                 Route("/", api.page, methods=["GET"]),
@@ -122,6 +130,9 @@ class SluiceApp:
                 Route("/v1/streams/{stream_id}/cancel", api.cancel_stream, methods=["POST"]),
                 Route("/v1/streams/{stream_id}/drop", api.drop_connections, methods=["POST"]),
                 *compat.routes(),
+                Route("/dashboard", admin.dashboard, methods=["GET"]),
+                Route("/v1/admin/rollouts", admin.rollouts, methods=["GET"]),
+                Route("/v1/admin/rollouts/{alias:path}", admin.act, methods=["POST"]),
             ],
             middleware=[Middleware(CorsMiddleware, policy=self.cors)],
             exception_handlers={HTTPException: _http_error},
@@ -186,14 +197,16 @@ def create_app(
     backends: Mapping[str, Backend] | None = None,
     resources: Sequence[contextlib.AbstractAsyncContextManager[object]] = (),
     auth: Auth | None = None,
+    rollouts: Rollouts | None = None,
 ) -> SluiceApp:
     """Build the app; ``backends`` come first in ``/v1/models``, then ``words``, always served.
 
     ``resources`` are entered for the app's lifetime, before the hub starts (for example
     the driver thread of an embedded engine). ``auth`` holds the API keys and the resume
-    token secret; without it every caller is tenant ``"anonymous"``.
+    token secret; without it every caller is tenant ``"anonymous"``. ``rollouts`` are the
+    model aliases' rollouts (their backends are among ``backends``), for the admin API.
     """
     settings = settings or Settings()
     served: dict[str, Backend] = {**(backends or {})}
     served.setdefault("words", WordsBackend())
-    return SluiceApp(settings, served, resources, auth)
+    return SluiceApp(settings, served, resources, auth, rollouts)

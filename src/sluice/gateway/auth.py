@@ -9,6 +9,9 @@
   caller is ``"anonymous"``. With keys configured, a presented key that matches none is
   refused even in anonymous mode: a mistyped key fails loudly instead of silently becoming
   anonymous.
+- **Admin keys**: a key file entry with ``admin = true`` may also use the admin endpoints
+  (``/v1/admin/...``, :meth:`Auth.is_admin`). With no keys configured at all (anonymous
+  mode), the admin endpoints answer loopback callers only.
 - **Resume tokens** are capabilities for one stream: ``<expiry>.<mac>``, where ``mac`` is
   HMAC-SHA256 (server secret) over the stream id and the expiry (unix seconds). They travel
   in URLs (``?token=``) because EventSource cannot set headers; they carry no tenant and
@@ -83,6 +86,7 @@ class ApiKey:
 
     tenant: str
     key_sha256: bytes
+    admin: bool = False  # may use the admin endpoints
 
     def __post_init__(self) -> None:
         if not _TENANT.fullmatch(self.tenant):
@@ -112,7 +116,8 @@ def parse_key_list(text: str) -> tuple[ApiKey, ...]:
 
 def load_key_file(path: Path, environ: Mapping[str, str]) -> tuple[ApiKey, ...]:
     """A TOML file of ``[[key]]`` tables: ``tenant`` and one of ``key_sha256`` (hex digest of
-    the key) or ``key_env`` (the name of an environment variable holding the key)."""
+    the key) or ``key_env`` (the name of an environment variable holding the key); and
+    ``admin = true`` for a key that may use the admin endpoints."""
     try:
         with path.open("rb") as file:
             document = tomllib.load(file)
@@ -128,7 +133,7 @@ def load_key_file(path: Path, environ: Mapping[str, str]) -> tuple[ApiKey, ...]:
         where = f"{path}: key {number}"
         if not isinstance(table, dict):
             raise ConfigError(f"{where}: not a table")
-        unknown = set(table) - {"tenant", "key_sha256", "key_env"}
+        unknown = set(table) - {"tenant", "key_sha256", "key_env", "admin"}
         if unknown:
             raise ConfigError(f"{where}: unknown fields {', '.join(sorted(unknown))}")
         tenant = table.get("tenant")
@@ -148,7 +153,10 @@ def load_key_file(path: Path, environ: Mapping[str, str]) -> tuple[ApiKey, ...]:
             if not key:
                 raise ConfigError(f"{where}: environment variable {env_name} is unset or empty")
             digest = hash_key(key)
-        keys.append(ApiKey(tenant, digest))
+        admin = table.get("admin", False)
+        if not isinstance(admin, bool):
+            raise ConfigError(f"{where}: 'admin' must be true or false")
+        keys.append(ApiKey(tenant, digest, admin))
     return tuple(keys)
 
 
@@ -207,7 +215,7 @@ class Caller:
 class Auth:
     """The server's keys, anonymous mode and resume tokens; one per app."""
 
-    __slots__ = ("_digests", "_tenants", "allow_anonymous", "tokens")
+    __slots__ = ("_admin_digests", "_digests", "_tenants", "allow_anonymous", "tokens")
 
     def __init__(
         self, keys: Sequence[ApiKey], *, allow_anonymous: bool, tokens: ResumeTokens
@@ -224,6 +232,7 @@ class Auth:
             )
         self._digests = tuple(seen)
         self._tenants = tuple(seen.values())
+        self._admin_digests = tuple(key.key_sha256 for key in keys if key.admin)
         self.allow_anonymous = allow_anonymous
         self.tokens = tokens
 
@@ -266,6 +275,20 @@ class Auth:
         raise AuthenticationError(
             "missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
         )
+
+    def is_admin(self, headers: Sequence[tuple[bytes, bytes]], *, loopback: bool) -> bool:
+        """Whether a request may use the admin endpoints: it presents an ``admin = true``
+        key, or no keys are configured and it comes from a ``loopback`` address."""
+        if not self._digests:
+            return loopback
+        key = _presented_key(headers)
+        if key is None:
+            return False
+        digest = hash_key(key)
+        found = False
+        for stored in self._admin_digests:  # every digest is compared: no early exit
+            found |= hmac.compare_digest(stored, digest)
+        return found
 
     def creator(self, headers: Sequence[tuple[bytes, bytes]]) -> str:
         """The tenant a new stream belongs to (a token does not let anyone create)."""

@@ -44,7 +44,14 @@ from sluice.errors import CapacityError, InvalidParameterError, SluiceError
 from sluice.events import Error, RenderMeta
 from sluice.gateway.auth import RESUME_TOKEN_HEADER, Auth
 from sluice.gateway.errors import REFUSAL_STATUS, answer_for, retry_after
-from sluice.gateway.requests import check_json_head, parse_json, receive_body, received
+from sluice.gateway.requests import (
+    check_json_head,
+    parse_json,
+    receive_body,
+    received,
+    version_headers,
+    with_version,
+)
 from sluice.gateway.settings import Settings
 from sluice.gateway.streaming import whole_response
 from sluice.observability.metrics import Metrics
@@ -135,7 +142,7 @@ class CompatAPI:
             resumable = _header(scope, RESUMABLE_HEADER.encode()).lower() == b"true"
             stream = await self._hub.create(
                 parsed.model,
-                received(parsed.generation, scope),
+                received(parsed.generation, scope, tenant),
                 resumable=resumable,
                 tenant=tenant,
             )
@@ -149,7 +156,7 @@ class CompatAPI:
             created=int(stream.created),
             resumable=resumable,
             include_usage=parsed.include_usage,
-            options=parsed.options,
+            options=with_version(parsed.options, stream.generation),
         )
         stream.render = meta
         # Before the producer's first append (it has not run yet): how the cache encodes
@@ -180,6 +187,10 @@ class CompatAPI:
                 (STREAM_ID_HEADER.lower().encode(), stream.id.encode()),
                 # Resumes (GET /v1/streams/{id}/events?token=) need no key with it.
                 (RESUME_TOKEN_HEADER.lower().encode(), self._auth.tokens.mint(stream.id).encode()),
+                *(
+                    (name.lower().encode(), value.encode())
+                    for name, value in version_headers(stream.generation).items()
+                ),
             )
             handed = True
             return Streamed(reader, frames, headers)
@@ -190,14 +201,15 @@ class CompatAPI:
     async def _whole(self, prepared: Prepared) -> Whole:
         """``"stream": false``: wait for the end, answer one JSON object."""
         accumulator = prepared.speaker.whole(prepared.meta)
+        versioned = version_headers(prepared.stream.generation)  # a model alias's version
         async for batch in prepared.reader.batches(1024):
             for event in batch.events:
                 accumulator.feed(event)
         failure = accumulator.error()
         if failure is not None:
             status, body = failure
-            return whole_response(JSONResponse(body, status_code=status))
-        headers = {STREAM_ID_HEADER: prepared.stream.id}
+            return whole_response(JSONResponse(body, status_code=status, headers=versioned))
+        headers = {STREAM_ID_HEADER: prepared.stream.id, **versioned}
         return whole_response(JSONResponse(accumulator.result(), headers=headers))
 
     # -- errors in the dialect's shape ----------------------------------------------------

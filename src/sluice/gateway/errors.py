@@ -15,6 +15,7 @@ from sluice.errors import (
     BadRequestError,
     CapacityError,
     ResumeGapError,
+    RolloutError,
     SluiceError,
     StreamNotFoundError,
     TenantLimitError,
@@ -129,6 +130,8 @@ def answer_for(exc: SluiceError) -> ErrorAnswer:
         return ErrorAnswer(400, "bad_event_id", message)
     if isinstance(exc, BadRequestError):
         return ErrorAnswer(400, "invalid_request", message)
+    if isinstance(exc, RolloutError):
+        return ErrorAnswer(409, "rollout_conflict", message)
     if isinstance(exc, TenantLimitError):
         return ErrorAnswer(429, "rate_limited", message, _retry(exc))
     if isinstance(exc, CapacityError):

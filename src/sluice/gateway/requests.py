@@ -19,8 +19,9 @@ from typing import Annotated
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from sluice.backends.base import GenerationRequest
+from sluice.backends.base import GenerationRequest, model_version
 from sluice.errors import BadEventIdError, BadRequestError
+from sluice.gateway.auth import ANONYMOUS
 from sluice.gateway.errors import (
     JSON_MEDIA_TYPE,
     PayloadTooLargeError,
@@ -31,6 +32,8 @@ from sluice.streams.ids import parse_position
 from sluice.transports.asgi import Receive, Scope
 
 __all__ = [
+    "MODEL_VERSION_HEADER",
+    "ROUTING_KEY_HEADER",
     "CreateStreamBody",
     "check_json_head",
     "check_json_media_type",
@@ -40,6 +43,8 @@ __all__ = [
     "read_json_body",
     "receive_body",
     "to_generation_request",
+    "version_headers",
+    "with_version",
 ]
 
 
@@ -63,6 +68,8 @@ class CreateStreamBody(BaseModel):
         list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=16)
     ] = []
     ignore_eos: bool = False
+    # The routing key of a model alias (sluice.rollout.assignment), as OpenAI's ``user``.
+    user: Annotated[str, Field(max_length=256)] | None = None
 
 
 def _explain(exc: ValidationError) -> str:
@@ -180,6 +187,13 @@ def to_generation_request(
 
 # The key in a request scope's ``state`` of the time.monotonic() its first bytes were parsed.
 RECEIVED_AT_STATE = "sluice_received_at"
+# Where a client names who a stream is for when its body cannot (a model alias's routing).
+ROUTING_KEY_HEADER = "X-Sluice-Routing-Key"
+ROUTING_KEY_HEADER_BYTES = ROUTING_KEY_HEADER.lower().encode("ascii")
+# Which version of a model alias served a response.
+MODEL_VERSION_HEADER = "X-Sluice-Model-Version"
+# Longer keys are cut: the hash needs no more, and the head's bounds already hold.
+MAX_ROUTING_KEY_BYTES = 256
 
 
 def stamp_received(scope: Scope) -> None:
@@ -187,12 +201,43 @@ def stamp_received(scope: Scope) -> None:
     scope.setdefault("state", {})[RECEIVED_AT_STATE] = time.monotonic()
 
 
-def received(generation: GenerationRequest, scope: Scope) -> GenerationRequest:
-    """``generation`` with the time its request arrived, when the protocol stamped it."""
+def received(
+    generation: GenerationRequest, scope: Scope, tenant: str | None = None
+) -> GenerationRequest:
+    """``generation`` with the time its request arrived, when the protocol stamped it, and
+    its routing key: the body's ``user``, else the ``X-Sluice-Routing-Key`` header, else
+    the creator's ``tenant`` (none for anonymous callers: they are drawn at random)."""
     received_at = scope.get("state", {}).get(RECEIVED_AT_STATE)
+    key = generation.routing_key or _header(scope, ROUTING_KEY_HEADER_BYTES)
+    if key is None and tenant is not None and tenant != ANONYMOUS:
+        key = tenant
     if not isinstance(received_at, float):
+        received_at = generation.received_at
+    if key == generation.routing_key and received_at == generation.received_at:
         return generation
-    return dataclasses.replace(generation, received_at=received_at)
+    return dataclasses.replace(generation, received_at=received_at, routing_key=key)
+
+
+def version_headers(generation: object) -> dict[str, str]:
+    """``X-Sluice-Model-Version`` for a stream of a model alias, else nothing."""
+    version = model_version(generation)
+    return {} if version is None else {MODEL_VERSION_HEADER: version}
+
+
+def with_version(
+    options: tuple[tuple[str, str], ...], generation: object
+) -> tuple[tuple[str, str], ...]:
+    """A dialect's render options plus ``model_version`` for a stream of a model alias
+    (OpenAI renders it as ``system_fingerprint``)."""
+    version = model_version(generation)
+    return options if version is None else tuple(sorted((*options, ("model_version", version))))
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key == name and value:
+            return bytes(value[:MAX_ROUTING_KEY_BYTES]).decode("latin-1")
+    return None
 
 
 def generation_request(body: CreateStreamBody) -> GenerationRequest:
@@ -207,6 +252,7 @@ def generation_request(body: CreateStreamBody) -> GenerationRequest:
         seed=body.seed,
         stop=tuple(body.stop),
         ignore_eos=body.ignore_eos,
+        routing_key=body.user or None,
     )
 
 

@@ -18,6 +18,7 @@ from sluice.gateway.requests import (
     parse_create_stream,
     read_json_body,
     received,
+    version_headers,
 )
 from sluice.gateway.settings import Settings
 from sluice.observability.metrics import Metrics
@@ -63,11 +64,12 @@ class NativeApi:
             body = parse_create_stream(payload, self._settings)
             stream = await self._hub.create(
                 body.model or self._settings.default_model,
-                received(generation_request(body), request.scope),
+                received(generation_request(body), request.scope, tenant),
                 resumable=body.resumable,
                 grace_s=body.grace_s,
                 tenant=tenant,
             )
+            versioned = version_headers(stream.generation)  # before it may end
             first = await self._hub.first_event(stream.id)
         except SluiceError as exc:
             self._metrics.refused_before_start(exc)
@@ -84,7 +86,8 @@ class NativeApi:
             "cancel_url": f"{base}/cancel",
             "resume_token": token,
         }
-        return JSONResponse(payload, status_code=201, headers={"Location": base})
+        headers = {"Location": base, **versioned}
+        return JSONResponse(payload, status_code=201, headers=headers)
 
     async def get_stream(self, request: Request) -> Response:
         try:

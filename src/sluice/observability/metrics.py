@@ -11,7 +11,8 @@ samples; the format follows ``Accept`` (:mod:`sluice.observability.exposition`).
 
 Every stream metric has ``model`` and ``model_version`` labels (the version is the
 backend's ``version`` attribute: for the embedded engine, the first 12 hex digits of the
-SHA-256 of its weights; empty when a backend has none).
+SHA-256 of its weights; empty when a backend has none). A stream of a model alias
+(``--models-config``) is labelled with the alias and the version that served it.
 
 A stream the backend refused before admitting it (``start()`` raised: the client got a
 ``400`` or ``503``) is counted once, as a refusal (``sluice_admission_refusals_total``,
@@ -62,6 +63,11 @@ metric                                      what
                                             and used (gauges); ``_prefix_hits_total`` and
                                             ``_preemptions_total`` since the engine started
                                             (counters); per ``model``
+``sluice_rollout_decisions_total``          decisions on model aliases' rollouts, by
+                                            ``alias``, ``action`` (hold, step, complete,
+                                            roll_back, start, pause) and ``by`` (auto, admin)
+``sluice_rollout_weight_percent``           each alias version's share of new streams
+                                            (gauge, by ``alias`` and ``model_version``)
 ``vllm:*``                                  see :mod:`sluice.observability.vllm`
 =========================================== =================================================
 """
@@ -74,6 +80,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from sluice.backends.base import model_version
 from sluice.errors import CapacityError, TenantLimitError, UnknownModelError
 from sluice.observability.exposition import Registry, encode
 from sluice.observability.logs import log_stream_end
@@ -174,6 +181,18 @@ class Metrics:
         self.evictions = Counter(
             "sluice_streams_evicted", "Streams evicted", ("reason",), registry=registry
         )
+        self.rollout_decisions = Counter(
+            "sluice_rollout_decisions",
+            "Decisions on model aliases' rollouts",
+            ("alias", "action", "by"),
+            registry=registry,
+        )
+        self.rollout_weight = Gauge(
+            "sluice_rollout_weight_percent",
+            "Share of an alias's new streams per version",
+            ("alias", "model_version"),
+            registry=registry,
+        )
         self._state = StateCollector(self._versions)
         registry.register(self._state)
         self.vllm = VllmFamilies(registry, self._versions)
@@ -183,7 +202,16 @@ class Metrics:
         self._timings: dict[str, _Timing] = {}
 
     def _labels(self, stream: Stream) -> tuple[str, str]:
-        return stream.model, self._versions.get(stream.model, "")
+        routed = model_version(stream.generation)  # a model alias's version
+        return stream.model, routed or self._versions.get(stream.model, "")
+
+    def rollout_decided(
+        self, alias: str, action: str, by: str, weights: Mapping[str, float]
+    ) -> None:
+        """Count a rollout decision and set the alias's weights after it."""
+        self.rollout_decisions.labels(alias, action, by).inc()
+        for version, weight in weights.items():
+            self.rollout_weight.labels(alias, version).set(weight)
 
     # -- the hub's StreamObserver ---------------------------------------------------------
 
