@@ -86,6 +86,9 @@ class Prepared:
     meta: RenderMeta
     stream: Stream
     reader: Reader
+    # X-Sluice-Model-Version for a model alias's stream (read at creation: a finished
+    # stream lets go of its generation).
+    versioned: tuple[tuple[bytes, bytes], ...] = ()
 
 
 class CompatAPI:
@@ -164,7 +167,11 @@ class CompatAPI:
         self._frames.encode_as(stream.id, encoder_for(meta, stream.id) if parsed.stream else None)
         # Read from now: a client that leaves during admission cancels the stream.
         reader = self._hub.open_reader(stream.id, 0)
-        return Prepared(speaker, parsed, meta, stream, reader)
+        versioned = tuple(
+            (name.lower().encode(), value.encode())
+            for name, value in version_headers(stream.generation).items()
+        )
+        return Prepared(speaker, parsed, meta, stream, reader, versioned)
 
     async def complete(self, prepared: Prepared) -> Answer:
         """Wait for admission; then the stream to deliver, or the whole answer. Closes the
@@ -187,10 +194,7 @@ class CompatAPI:
                 (STREAM_ID_HEADER.lower().encode(), stream.id.encode()),
                 # Resumes (GET /v1/streams/{id}/events?token=) need no key with it.
                 (RESUME_TOKEN_HEADER.lower().encode(), self._auth.tokens.mint(stream.id).encode()),
-                *(
-                    (name.lower().encode(), value.encode())
-                    for name, value in version_headers(stream.generation).items()
-                ),
+                *prepared.versioned,
             )
             handed = True
             return Streamed(reader, frames, headers)
@@ -201,7 +205,7 @@ class CompatAPI:
     async def _whole(self, prepared: Prepared) -> Whole:
         """``"stream": false``: wait for the end, answer one JSON object."""
         accumulator = prepared.speaker.whole(prepared.meta)
-        versioned = version_headers(prepared.stream.generation)  # a model alias's version
+        versioned = {name.decode(): value.decode() for name, value in prepared.versioned}
         async for batch in prepared.reader.batches(1024):
             for event in batch.events:
                 accumulator.feed(event)
