@@ -558,7 +558,7 @@ class _Server(uvicorn.Server):
             # A second signal: the drain's deadline is now. The drain then sees the last
             # producer write its error and stops the server.
             self._ending_now = True
-            num_ended = self._app.hub.end_live_streams()
+            num_ended = self._app.runtime.end_live_streams()
             logger.info("second signal: ending %d live streams now", num_ended)
             loop.call_later(_END_NOW_FLUSH_S, self._stop, sig)
         else:
@@ -567,7 +567,7 @@ class _Server(uvicorn.Server):
     async def _drain_then_exit(self, sig: int) -> None:
         logger.info("draining: %d live streams", len(self._app.hub.live_streams()))
         try:
-            await self._app.hub.drain(self._drain_timeout_s)
+            await self._app.runtime.drain(self._drain_timeout_s)
         finally:
             self._stop(sig)
 

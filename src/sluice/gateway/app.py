@@ -15,10 +15,9 @@ unknown paths and methods get the shape of the API they are under (Anthropic's u
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from importlib import resources as package_data
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -43,24 +42,13 @@ from sluice.gateway.protocol import GatewayOpener
 from sluice.gateway.routes import NativeApi
 from sluice.gateway.settings import Settings
 from sluice.gateway.streaming import EventStreams
-from sluice.observability.metrics import Metrics
-from sluice.streams.hub import StreamHub
-from sluice.streams.log import LogLimits
-from sluice.streams.memory import MemoryEventLog
+from sluice.runtime import Resource, Runtime
 from sluice.transports.asgi import Receive, Scope, Send
-from sluice.transports.frames import FrameCache
 
 if TYPE_CHECKING:  # loaded only with --models-config (it imports scipy)
     from sluice.rollout.controller import Rollouts
 
 __all__ = ["SluiceApp", "create_app"]
-
-
-@runtime_checkable
-class _AbortObserved(Protocol):
-    """A backend that reports how long its aborts take to free resources (the engine)."""
-
-    def set_abort_observer(self, observer: Callable[[float], None] | None) -> None: ...
 
 
 class SluiceApp:
@@ -70,29 +58,17 @@ class SluiceApp:
     def __init__(
         self,
         settings: Settings,
-        backends: Mapping[str, Backend],
-        resources: Sequence[contextlib.AbstractAsyncContextManager[object]] = (),
+        runtime: Runtime,
         auth: Auth | None = None,
         rollouts: Rollouts | None = None,
     ) -> None:
         self.settings = settings
+        self.runtime = runtime
         self.rollouts = rollouts
         self.auth = auth or Auth.anonymous()
-        self._resources = tuple(resources)
-        # Each stream's frames, encoded once per event beside its log (and counted in it).
-        self.frames = FrameCache()
-        log = MemoryEventLog(
-            LogLimits(settings.max_log_records, settings.max_log_bytes), observer=self.frames
-        )
-        # Per-tenant limits default to the server's when there is one tenant (no keys).
-        hub_settings = settings.hub_settings(multi_tenant=self.auth.num_keys > 0)
-        versions = {name: str(getattr(b, "version", "")) for name, b in backends.items()}
-        self.metrics = Metrics(versions)
-        for name, backend in backends.items():
-            if isinstance(backend, _AbortObserved):
-                backend.set_abort_observer(functools.partial(self.metrics.abort_freed, name))
-        self.hub = StreamHub(log, backends, hub_settings, observer=self.metrics)
-        self.metrics.log_bytes.set_function(lambda: self.hub.memory.num_bytes)
+        self.frames = runtime.frames
+        self.metrics = runtime.metrics
+        self.hub = runtime.hub
         keyless = self.auth.allow_anonymous
         self.cors = CorsPolicy.by_mode(settings.cors_allow_origins, keyless_callers=keyless)
         self.hosts = HostPolicy.by_mode(settings.allowed_hosts, keyless_callers=keyless)
@@ -141,15 +117,8 @@ class SluiceApp:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        # Resources (an engine's driver thread) start before the hub and stop after it, so
-        # the hub's last cancellations still reach them.
-        async with contextlib.AsyncExitStack() as stack:
-            for resource in self._resources:
-                await stack.enter_async_context(resource)
-            async with self.hub.running():
-                yield
-            for backend in set(self.hub.backends.values()):
-                await backend.aclose()
+        async with self.runtime.running():
+            yield
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -195,18 +164,27 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 def create_app(
     settings: Settings | None = None,
     backends: Mapping[str, Backend] | None = None,
-    resources: Sequence[contextlib.AbstractAsyncContextManager[object]] = (),
+    resources: Sequence[Resource] = (),
     auth: Auth | None = None,
     rollouts: Rollouts | None = None,
 ) -> SluiceApp:
     """Build the app; ``backends`` come first in ``/v1/models``, then ``words``, always served.
 
+    The :class:`~sluice.runtime.Runtime` it builds runs for the app's lifespan.
     ``resources`` are entered for the app's lifetime, before the hub starts (for example
     the driver thread of an embedded engine). ``auth`` holds the API keys and the resume
     token secret; without it every caller is tenant ``"anonymous"``. ``rollouts`` are the
     model aliases' rollouts (their backends are among ``backends``), for the admin API.
     """
     settings = settings or Settings()
+    auth = auth or Auth.anonymous()
     served: dict[str, Backend] = {**(backends or {})}
     served.setdefault("words", WordsBackend())
-    return SluiceApp(settings, served, resources, auth, rollouts)
+    runtime = Runtime(
+        served,
+        log_limits=settings.log_limits,
+        # Per-tenant limits default to the server's when there is one tenant (no keys).
+        hub_settings=settings.hub_settings(multi_tenant=auth.num_keys > 0),
+        resources=resources,
+    )
+    return SluiceApp(settings, runtime, auth, rollouts)

@@ -9,6 +9,7 @@ from sluice.errors import ConfigError
 from sluice.gateway.cors import parse_origin
 from sluice.gateway.hosts import parse_allowed_host
 from sluice.streams.hub import HubSettings
+from sluice.streams.log import LogLimits
 
 __all__ = [
     "DEFAULT_MAX_RETAINED_STREAMS_PER_TENANT",
@@ -132,6 +133,11 @@ class Settings:
             max_interval_ms=self.max_interval_ms,
             default_model=self.default_model,
         )
+
+    @property
+    def log_limits(self) -> LogLimits:
+        """One stream's log's bounds."""
+        return LogLimits(self.max_log_records, self.max_log_bytes)
 
     def hub_settings(self, *, multi_tenant: bool) -> HubSettings:
         """The hub's limits; ``multi_tenant`` (API keys are configured) picks the per-tenant
