@@ -29,6 +29,7 @@ from sluice.backends.upstream_config import (
     list_upstream_models,
     load_upstream_config,
 )
+from sluice.dialects.base import RequestLimits
 from sluice.engine.driver import AsyncEngine
 from sluice.engine.engine import Engine, EngineConfig
 from sluice.engine.loader import load_checkpoint
@@ -48,6 +49,9 @@ from sluice.gateway.settings import (
     Settings,
 )
 from sluice.observability.logs import LOG_FORMATS, configure_logging
+from sluice.streams.log import LogLimits
+from sluice.transports.delivery import DeliveryOptions
+from sluice.transports.http1.opener import Http1Limits
 from sluice.transports.http1.uvicorn_adapter import exit_without_reraise, protocol_class
 
 if TYPE_CHECKING:
@@ -174,14 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--heartbeat-interval",
         type=float,
-        default=defaults.heartbeat_interval_s,
+        default=defaults.delivery.heartbeat_interval_s,
         metavar="SECONDS",
         help="idle seconds before an SSE stream gets a ': ping' comment",
     )
     serve.add_argument(
         "--retry",
         type=int,
-        default=defaults.retry_ms,
+        default=defaults.delivery.retry_ms,
         metavar="MS",
         help="reconnection delay hinted to EventSource clients (SSE 'retry:' field)",
     )
@@ -220,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--head-timeout",
         type=float,
-        default=defaults.head_timeout_s,
+        default=defaults.http.head_timeout_s,
         metavar="SECONDS",
         help="a request head must arrive within this of the connection (kept alive: of its "
         "first byte); else 408 and close (a silent connection is just closed)",
@@ -228,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--body-timeout",
         type=float,
-        default=defaults.body_timeout_s,
+        default=defaults.http.body_timeout_s,
         metavar="SECONDS",
         help="a request body must arrive whole within this of its head; else 408 (or, "
         "once a response has started, a close)",
@@ -293,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--send-timeout",
         type=float,
-        default=defaults.send_timeout_s,
+        default=defaults.delivery.send_timeout_s,
         metavar="SECONDS",
         help="an SSE connection whose socket takes nothing for this long is closed (it may "
         "resume); also the kernel's deadline for unacknowledged data (dead peers)",
@@ -301,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--coalesce",
         action=argparse.BooleanOptionalAction,
-        default=defaults.coalesce,
+        default=defaults.delivery.coalesce,
         help="send a lagging native reader its waiting tokens as one event",
     )
     serve.add_argument(
@@ -325,14 +329,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-log-events",
         type=int,
-        default=defaults.max_log_records,
+        default=defaults.log.max_records,
         help="events kept per stream for replay; older ones are dropped (a resume before "
         "them gets a 'resume_gap' error event)",
     )
     serve.add_argument(
         "--max-prompt-chars",
         type=int,
-        default=defaults.max_prompt_chars,
+        default=defaults.requests.max_prompt_chars,
         help="longest prompt or demo text accepted",
     )
     serve.add_argument(
@@ -482,14 +486,25 @@ def _auto(parse: Callable[[str], int]) -> Callable[[str], int | None]:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
+    try:
+        delivery = DeliveryOptions(
+            heartbeat_interval_s=args.heartbeat_interval,
+            retry_ms=args.retry,
+            send_timeout_s=args.send_timeout,
+            coalesce=args.coalesce,
+        )
+        http = Http1Limits(head_timeout_s=args.head_timeout, body_timeout_s=args.body_timeout)
+        log = LogLimits(max_records=args.max_log_events)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     return Settings(
-        heartbeat_interval_s=args.heartbeat_interval,
-        retry_ms=args.retry,
+        delivery=delivery,
+        log=log,
+        requests=RequestLimits(max_prompt_chars=args.max_prompt_chars),
+        http=http,
         default_grace_s=args.grace,
         retention_s=args.retention,
         max_streams=args.max_streams,
-        max_prompt_chars=args.max_prompt_chars,
-        max_log_records=args.max_log_events,
         cors_allow_origins=None if args.cors_origin is None else tuple(args.cors_origin),
         allowed_hosts=_allowed_hosts(args),
         max_streams_per_tenant=args.max_streams_per_tenant,
@@ -498,10 +513,6 @@ def _settings(args: argparse.Namespace) -> Settings:
         max_retained_streams_per_tenant=args.max_retained_streams_per_tenant,
         max_tokens_per_stream=args.max_tokens_per_stream,
         max_stream_s=args.max_stream_duration,
-        send_timeout_s=args.send_timeout,
-        coalesce=args.coalesce,
-        head_timeout_s=args.head_timeout,
-        body_timeout_s=args.body_timeout,
     )
 
 
@@ -784,7 +795,8 @@ def serve(args: argparse.Namespace) -> int:
         backends = {name: backend, **backends}  # the engine's model is the default
         resources.append(engine)
     if backends:
-        settings = dataclasses.replace(settings, default_model=next(iter(backends)))
+        requests = dataclasses.replace(settings.requests, default_model=next(iter(backends)))
+        settings = dataclasses.replace(settings, requests=requests)
     try:
         rollouts = _rollouts(args, backends)
     except ConfigError as exc:

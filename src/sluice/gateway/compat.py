@@ -138,7 +138,7 @@ class CompatAPI:
         """Read and parse the body and create the stream; or the refusal."""
         try:
             tenant = self._auth.creator(scope["headers"])
-            max_bytes = self._settings.max_body_bytes
+            max_bytes = self._settings.http.max_body_bytes
             check_json_head(scope, max_bytes)
             payload = parse_json(await body(max_bytes))
             parsed = speaker.parse(payload, self._settings.request_limits)

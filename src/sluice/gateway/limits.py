@@ -20,15 +20,15 @@ HEADER_LINE_OVERHEAD = 4
 
 
 def url_bytes_error(num_url_bytes: int, settings: Settings) -> UrlTooLongError | None:
-    if num_url_bytes <= settings.max_url_bytes:
+    if num_url_bytes <= settings.http.max_url_bytes:
         return None
-    return UrlTooLongError(f"request target over {settings.max_url_bytes} bytes")
+    return UrlTooLongError(f"request target over {settings.http.max_url_bytes} bytes")
 
 
 def header_bytes_error(num_header_bytes: int, settings: Settings) -> HeadersTooLargeError | None:
-    if num_header_bytes <= settings.max_header_bytes:
+    if num_header_bytes <= settings.http.max_header_bytes:
         return None
-    return HeadersTooLargeError(f"request header lines over {settings.max_header_bytes} bytes")
+    return HeadersTooLargeError(f"request header lines over {settings.http.max_header_bytes} bytes")
 
 
 def _num_header_bytes(headers: Iterable[tuple[bytes, bytes]]) -> int:

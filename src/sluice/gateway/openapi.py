@@ -199,8 +199,12 @@ def _native_paths(settings: Settings) -> dict[str, JSON]:
         "content": _content(_ref("CreatedStream")),
     }
     on_stream = _stream_parameters()
-    interval: JSON = {"type": "number", "minimum": 0, "maximum": settings.max_interval_ms}
-    max_tokens: JSON = {"type": "integer", "minimum": 1, "maximum": settings.max_tokens_limit}
+    interval: JSON = {"type": "number", "minimum": 0, "maximum": settings.requests.max_interval_ms}
+    max_tokens: JSON = {
+        "type": "integer",
+        "minimum": 1,
+        "maximum": settings.requests.max_tokens_limit,
+    }
     head = (400, 401, 404, *_BEFORE_ROUTING)
     sse_head = (*head, 410)
     sse = _ref("NativeEvent")
@@ -542,18 +546,18 @@ def _settings_bounds(schemas: dict[str, JSON], settings: Settings) -> None:
         fields: dict[str, JSON] = schemas[name]["properties"]  # type: ignore[assignment]
         for tokens in ("max_tokens", "max_completion_tokens"):
             if tokens in fields:
-                _bound(fields[tokens], "maximum", settings.max_tokens_limit)
+                _bound(fields[tokens], "maximum", settings.requests.max_tokens_limit)
         if "prompt" in fields:
-            _bound(fields["prompt"], "maxLength", settings.max_prompt_chars)
+            _bound(fields["prompt"], "maxLength", settings.requests.max_prompt_chars)
     for name, tokens in (
         ("MessagesRequest", "max_tokens"),
         ("ResponsesRequest", "max_output_tokens"),
         ("UIChatRequest", "max_tokens"),
     ):
         body: dict[str, JSON] = schemas[name]["properties"]  # type: ignore[assignment]
-        _bound(body[tokens], "maximum", settings.max_tokens_limit)
+        _bound(body[tokens], "maximum", settings.requests.max_tokens_limit)
     native: dict[str, JSON] = schemas["CreateStreamRequest"]["properties"]  # type: ignore[assignment]
-    _bound(native["interval_ms"], "maximum", settings.max_interval_ms)
+    _bound(native["interval_ms"], "maximum", settings.requests.max_interval_ms)
 
 
 def openapi_document(settings: Settings | None = None) -> JSON:

@@ -110,13 +110,7 @@ class GatewayOpener:
             speaker.path: _CompatRoute(compat, speaker, cors, hosts) for speaker in API_DIALECTS
         }
         self._delivery = streams.options
-        self._limits = Http1Limits(
-            max_url_bytes=settings.max_url_bytes,
-            max_header_bytes=settings.max_header_bytes,
-            head_timeout_s=settings.head_timeout_s,
-            body_timeout_s=settings.body_timeout_s,
-            max_body_bytes=settings.max_body_bytes,
-        )
+        self._limits = settings.http
 
     @property
     def limits(self) -> Http1Limits:
@@ -137,11 +131,11 @@ class GatewayOpener:
         return None
 
     def refusal(self, reason: Refusal, method: str | None, path: str | None) -> Whole:
-        settings = self._settings
+        limits = self._settings.http
         if reason is Refusal.URL_TOO_LONG:
-            return refusal(UrlTooLongError(f"request target over {settings.max_url_bytes} bytes"))
+            return refusal(UrlTooLongError(f"request target over {limits.max_url_bytes} bytes"))
         if reason is Refusal.HEADERS_TOO_LARGE:
-            message = f"request header lines over {settings.max_header_bytes} bytes"
+            message = f"request header lines over {limits.max_header_bytes} bytes"
             return refusal(HeadersTooLargeError(message))
         if reason is Refusal.TOO_MANY_CONNECTIONS:
             self._metrics.refusals.labels("max_connections").inc()
@@ -154,7 +148,7 @@ class GatewayOpener:
                 return refusal(error)  # a retry: hint, so EventSource comes back
             return whole_response(response_for(error))
         if reason is Refusal.HEAD_TIMEOUT:
-            message = f"request head not received within {settings.head_timeout_s:g} s"
+            message = f"request head not received within {limits.head_timeout_s:g} s"
         else:
-            message = f"request body not received within {settings.body_timeout_s:g} s"
+            message = f"request body not received within {limits.body_timeout_s:g} s"
         return whole_response(error_response(408, "request_timeout", message))

@@ -165,17 +165,17 @@ def check_bounds(
     prompt: str, interval_ms: float, max_tokens: int | None, settings: Settings
 ) -> None:
     """Refuse absurd values with a message naming the bound."""
-    if len(prompt) > settings.max_prompt_chars:
+    if len(prompt) > settings.requests.max_prompt_chars:
         raise BadRequestError(
-            f"prompt: {len(prompt)} characters is over the limit of {settings.max_prompt_chars}"
+            f"prompt: {len(prompt)} characters is over the limit of {settings.requests.max_prompt_chars}"
         )
-    if not 0 <= interval_ms <= settings.max_interval_ms:
+    if not 0 <= interval_ms <= settings.requests.max_interval_ms:
         raise BadRequestError(
-            f"interval_ms: must be between 0 and {settings.max_interval_ms:g}, got {interval_ms:g}"
+            f"interval_ms: must be between 0 and {settings.requests.max_interval_ms:g}, got {interval_ms:g}"
         )
-    if max_tokens is not None and not 1 <= max_tokens <= settings.max_tokens_limit:
+    if max_tokens is not None and not 1 <= max_tokens <= settings.requests.max_tokens_limit:
         raise BadRequestError(
-            f"max_tokens: must be between 1 and {settings.max_tokens_limit}, got {max_tokens}"
+            f"max_tokens: must be between 1 and {settings.requests.max_tokens_limit}, got {max_tokens}"
         )
 
 

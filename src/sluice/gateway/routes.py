@@ -59,11 +59,11 @@ class NativeApi:
         try:
             tenant = self._auth.creator(request.scope["headers"])
             payload = await read_json_body(
-                request.scope, request.receive, self._settings.max_body_bytes
+                request.scope, request.receive, self._settings.http.max_body_bytes
             )
             body = parse_create_stream(payload, self._settings)
             stream = await self._hub.create(
-                body.model or self._settings.default_model,
+                body.model or self._settings.requests.default_model,
                 received(generation_request(body), request.scope, tenant),
                 resumable=body.resumable,
                 grace_s=body.grace_s,

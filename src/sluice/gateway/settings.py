@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sluice.dialects.base import RequestLimits
 from sluice.errors import ConfigError
@@ -10,6 +10,8 @@ from sluice.gateway.cors import parse_origin
 from sluice.gateway.hosts import parse_allowed_host
 from sluice.streams.hub import HubSettings
 from sluice.streams.log import LogLimits
+from sluice.transports.delivery import DeliveryOptions
+from sluice.transports.http1.opener import Http1Limits
 
 __all__ = [
     "DEFAULT_MAX_RETAINED_STREAMS_PER_TENANT",
@@ -30,14 +32,33 @@ DEFAULT_TENANT_LOG_SHARE = 4
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """Everything the app needs to know; the CLI builds one from its options."""
+    """Everything the app needs to know; the CLI builds one from its options.
 
-    # SSE delivery
-    heartbeat_interval_s: float = 15.0
-    retry_ms: int = 1000
-    max_batch_records: int = 512
-    send_timeout_s: float = 30.0
-    coalesce: bool = True
+    Each layer's options are that layer's own frozen dataclass, held here as they are:
+    delivery (:class:`~sluice.transports.delivery.DeliveryOptions`), one stream's log
+    (:class:`~sluice.streams.log.LogLimits`), request bodies
+    (:class:`~sluice.dialects.base.RequestLimits`) and HTTP/1.1 heads, bodies and deadlines
+    (:class:`~sluice.transports.http1.opener.Http1Limits`). The hub's limits are fields of
+    their own, because their per-tenant defaults depend on whether API keys are configured
+    (:meth:`hub_settings` resolves them).
+    """
+
+    # SSE delivery: heartbeats, retry, batching of lagging readers, send timeout.
+    delivery: DeliveryOptions = field(default_factory=DeliveryOptions)
+    # One stream's log (records and bytes).
+    log: LogLimits = field(default_factory=LogLimits)
+    # Request bodies: prompt characters, max_tokens, interval_ms, the default model.
+    requests: RequestLimits = field(default_factory=RequestLimits)
+    # Request heads: all header lines (name, value, ": " and CRLF) answer 431 above
+    # max_header_bytes, the request target (path and query) 414 above max_url_bytes (common
+    # proxy defaults: nginx 8 KiB lines). A request head must arrive within head_timeout_s of
+    # the connection (or, kept alive, of its first byte), its body within body_timeout_s of
+    # the head; else 408 and close. A real client sends its head in one write right after
+    # connecting, so 10 s covers slow links and loaded clients (Go's servers commonly use
+    # ReadHeaderTimeout 10 s) while an idle or slowloris socket holds its descriptor 10 s at
+    # most. Bodies are at most max_body_bytes (1 MiB): 30 s asks 35 KB/s of the largest one,
+    # a few KB/s of a typical request (see sluice.transports.http1.deadline).
+    http: Http1Limits = field(default_factory=Http1Limits)
     # Stream lifecycle
     default_grace_s: float = 15.0
     retention_s: float = 300.0
@@ -47,35 +68,12 @@ class Settings:
     max_streams_per_tenant: int | None = None
     max_tokens_per_stream: int = 100_000
     max_stream_s: float = 3600.0
-    # One stream's log (see sluice.streams.log.LogLimits).
-    max_log_records: int = 100_000
-    max_log_bytes: int = 32 * 1024 * 1024
     # Every stream's log, live and retained (see sluice.streams.hub.HubSettings).
     log_budget_bytes: int = 1024 * 1024 * 1024
     # None: 1/DEFAULT_TENANT_LOG_SHARE of log_budget_bytes with API keys, all of it without.
     max_log_bytes_per_tenant: int | None = None
     # None: DEFAULT_MAX_RETAINED_STREAMS_PER_TENANT with API keys, max_streams without.
     max_retained_streams_per_tenant: int | None = None
-    # Input bounds
-    max_body_bytes: int = 1024 * 1024
-    max_prompt_chars: int = 200_000
-    max_interval_ms: float = 60_000.0
-    max_tokens_limit: int = 1_000_000
-    # Request heads: all header lines (name, value, ": " and CRLF) answer 431 above this,
-    # the request target (path and query) 414 (common proxy defaults: nginx 8 KiB lines).
-    max_header_bytes: int = 16 * 1024
-    max_url_bytes: int = 8 * 1024
-    # Connections (see sluice.gateway.deadline): a request head must arrive within
-    # head_timeout_s of the connection (or, kept alive, of its first byte), its body within
-    # body_timeout_s of the head; else 408 and close. A real client sends its head in one
-    # write right after connecting, so 10 s covers slow links and loaded clients (Go's
-    # servers commonly use ReadHeaderTimeout 10 s) while an idle or slowloris socket holds
-    # its descriptor 10 s at most. Bodies are at most max_body_bytes (1 MiB): 30 s asks
-    # 35 KB/s of the largest one, a few KB/s of a typical request.
-    head_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    # Which model a request gets when it names none.
-    default_model: str = "words"
     # Web origins other than the server's own that may call it (``"*"``: any). ``None``:
     # none while callers without a key are served, any when every caller needs a key
     # (see sluice.gateway.cors).
@@ -87,34 +85,20 @@ class Settings:
 
     def __post_init__(self) -> None:
         positive = {
-            "heartbeat_interval_s": self.heartbeat_interval_s,
-            "max_batch_records": self.max_batch_records,
             "max_streams": self.max_streams,
             "max_streams_per_tenant": _or(self.max_streams_per_tenant, 1),
             "max_tokens_per_stream": self.max_tokens_per_stream,
             "max_stream_s": self.max_stream_s,
-            "send_timeout_s": self.send_timeout_s,
-            "max_log_records": self.max_log_records,
-            "max_log_bytes": self.max_log_bytes,
             "log_budget_bytes": self.log_budget_bytes,
             "max_log_bytes_per_tenant": _or(self.max_log_bytes_per_tenant, 1),
             "max_retained_streams_per_tenant": _or(self.max_retained_streams_per_tenant, 1),
-            "max_body_bytes": self.max_body_bytes,
-            "max_prompt_chars": self.max_prompt_chars,
-            "max_tokens_limit": self.max_tokens_limit,
-            "max_header_bytes": self.max_header_bytes,
-            "max_url_bytes": self.max_url_bytes,
-            "head_timeout_s": self.head_timeout_s,
-            "body_timeout_s": self.body_timeout_s,
         }
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{name} must be positive, got {value!r}")
         non_negative = {
-            "retry_ms": self.retry_ms,
             "default_grace_s": self.default_grace_s,
             "retention_s": self.retention_s,
-            "max_interval_ms": self.max_interval_ms,
         }
         for name, value in non_negative.items():
             if value < 0:
@@ -127,17 +111,12 @@ class Settings:
     @property
     def request_limits(self) -> RequestLimits:
         """What request bodies are checked against while they are parsed."""
-        return RequestLimits(
-            max_prompt_chars=self.max_prompt_chars,
-            max_tokens_limit=self.max_tokens_limit,
-            max_interval_ms=self.max_interval_ms,
-            default_model=self.default_model,
-        )
+        return self.requests
 
     @property
     def log_limits(self) -> LogLimits:
         """One stream's log's bounds."""
-        return LogLimits(self.max_log_records, self.max_log_bytes)
+        return self.log
 
     def hub_settings(self, *, multi_tenant: bool) -> HubSettings:
         """The hub's limits; ``multi_tenant`` (API keys are configured) picks the per-tenant

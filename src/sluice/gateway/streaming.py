@@ -45,7 +45,6 @@ from sluice.streams.ids import is_stream_id
 from sluice.streams.reader import Reader
 from sluice.transports.answer import Answer, Streamed, Whole, send_answer
 from sluice.transports.asgi import Receive, Scope, Send
-from sluice.transports.delivery import DeliveryOptions
 from sluice.transports.frames import FrameCache, FrameSource, frame_source
 from sluice.transports.sse import SSE_HEADERS
 
@@ -79,13 +78,7 @@ class EventStreams:
         self._auth = auth
         self._cors = cors
         self._hosts = hosts
-        self.options = DeliveryOptions(
-            heartbeat_interval_s=settings.heartbeat_interval_s,
-            retry_ms=settings.retry_ms,
-            max_batch_records=settings.max_batch_records,
-            send_timeout_s=settings.send_timeout_s,
-            coalesce=settings.coalesce,
-        )
+        self.options = settings.delivery
 
     @staticmethod
     def handles(method: str, path: str) -> bool:
