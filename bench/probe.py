@@ -51,7 +51,7 @@ from pathlib import Path
 
 import httpx
 
-from peers import HOST, ServerProcess, free_port
+from peers import BENCH_DIR, HOST, ServerProcess, free_port
 from sluice.sse import Decoder, Event
 
 # ---------------------------------------------------------------- the bounds, in one place
@@ -362,7 +362,8 @@ def stream_result(events: list[Event]) -> tuple[str, int]:
 async def attack_poison(run: Run) -> list[Outcome]:
     sizes = run.sizes
     keys = ",".join(f"{tenant}:{key}" for tenant, key in KEYS.items())
-    srv = run.server("poison", env={"SLUICE_API_KEYS": keys})
+    tiny = str(BENCH_DIR.parent / "models" / "sluice-tiny")  # the bundled model, fast to run
+    srv = run.server("poison", "--model", tiny, env={"SLUICE_API_KEYS": keys})
     victim = {"Authorization": f"Bearer {KEYS['victim']}"}
     attacker = {"Authorization": f"Bearer {KEYS['attacker']}"}
     with srv:

@@ -28,7 +28,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from peers import HOST, ServerProcess, free_port, scan_log
+from peers import BENCH_DIR, HOST, ServerProcess, free_port, scan_log
+
+TINY_MODEL = BENCH_DIR.parent / "models" / "sluice-tiny"  # the bundled model, not the default
 
 # --quick: two levels, one below and one well past the engine's 64 running sequences.
 QUICK_LEVELS, QUICK_DURATION_S = "1,96", 3.0
@@ -37,7 +39,7 @@ QUICK_LEVELS, QUICK_DURATION_S = "1,96", 3.0
 def serve_command(port: int, *options: str) -> list[str]:
     return [
         sys.executable, "-m", "sluice.cli", "serve", "--host", HOST, "--port", str(port),
-        "--log-level", "warning", *options,
+        "--log-level", "warning", "--model", str(TINY_MODEL), *options,
     ]  # fmt: skip
 
 

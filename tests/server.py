@@ -3,6 +3,11 @@
 The test binds and listens on the socket itself and hands it to the server (``--fd``), so
 the port is reachable before the server has even started: connections wait in the listen
 backlog until it accepts them, and no test polls for readiness.
+
+The server's engine serves the bundled ``sluice-tiny`` (fast to load and to run) unless the
+options name a model (``--model``), serve none (``--no-model``) or configure upstreams
+(``--upstream*``), or the test asks for ``sluice serve``'s own default model
+(``default_model=True``: SmolLM2-135M-Instruct, see ``sluice.engine.default_model``).
 """
 
 from __future__ import annotations
@@ -17,7 +22,17 @@ from pathlib import Path
 
 import httpx
 
-__all__ = ["ServerProcess", "wait_for_state"]
+__all__ = ["TEST_MODEL", "ServerProcess", "wait_for_state"]
+
+# The model of the fast tests (the repository's own).
+TEST_MODEL = Path(__file__).resolve().parents[1] / "models" / "sluice-tiny"
+
+
+def _names_a_model(options: tuple[str, ...]) -> bool:
+    flags = {option.split("=", 1)[0] for option in options}
+    return bool(flags & {"--model", "--no-model"}) or any(
+        flag.startswith("--upstream") for flag in flags
+    )
 
 
 class ServerProcess:
@@ -29,7 +44,10 @@ class ServerProcess:
         send_buffer_bytes: int | None = None,
         log_level: str = "warning",
         stderr_path: Path | None = None,
+        default_model: bool = False,
     ) -> None:
+        if not default_model and not _names_a_model(options):
+            options = ("--model", str(TEST_MODEL), *options)
         self.options = options
         self.log_level = log_level
         # Where the server's stderr (its log) goes; None: inherited from the tests.

@@ -30,6 +30,11 @@ from sluice.backends.upstream_config import (
     load_upstream_config,
 )
 from sluice.dialects.base import RequestLimits
+from sluice.engine.default_model import (
+    DEFAULT_MODEL_NAME,
+    DEFAULT_MODEL_PACKAGE,
+    default_model_file,
+)
 from sluice.engine.driver import AsyncEngine
 from sluice.engine.engine import Engine, EngineConfig
 from sluice.engine.loader import load_checkpoint
@@ -61,7 +66,7 @@ __all__ = ["BUNDLED_MODEL", "build_parser", "main"]
 
 logger = logging.getLogger("sluice.serve")
 
-# The tiny GPT-2 the repository ships (see scripts/train_tiny_model.py), served by default.
+# The tiny GPT-2 the repository ships (see scripts/train_tiny_model.py), for tests.
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "sluice-tiny"
 
 # After a second SIGTERM ended the live streams, the longest the server waits for their
@@ -98,10 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="PATH",
-        help="serve this Hugging Face-format GPT-2 or Llama checkpoint directory "
-        "(config.json, *.safetensors, tokenizer.json) with the embedded engine, under the "
-        "directory's name, as the default model (default: the bundled 'sluice-tiny', "
-        "unless upstreams are configured)",
+        help="serve this GPT-2 or Llama model with the embedded engine, as the default model: "
+        "a Hugging Face-format checkpoint directory (config.json, *.safetensors, "
+        "tokenizer.json), served under the directory's name, or a GGUF file (or a directory "
+        "holding one), served under the file's name (default: SmolLM2-135M-Instruct from the "
+        f"{DEFAULT_MODEL_PACKAGE} package, as '{DEFAULT_MODEL_NAME}', unless upstreams are "
+        "configured; the bundled test model is models/sluice-tiny)",
     )
     serve.add_argument(
         "--no-model",
@@ -592,11 +599,12 @@ class _Server(uvicorn.Server):
 
 
 def _embedded_engine(
-    args: argparse.Namespace,
+    args: argparse.Namespace, name: str | None = None
 ) -> tuple[str, Backend, contextlib.AbstractAsyncContextManager[object]]:
-    """Load ``--model`` and put the embedded engine behind the Backend seam; the third item
-    runs the engine (its driver thread, warmed up) for the app's lifetime."""
-    checkpoint = load_checkpoint(args.model)
+    """Load ``--model`` (under ``name``, if given) and put the embedded engine behind the
+    Backend seam; the third item runs the engine (its driver thread, warmed up) for the
+    app's lifetime."""
+    checkpoint = load_checkpoint(args.model, name=name)
     block_size = 16
     config = EngineConfig(
         num_blocks=args.kv_blocks,
@@ -610,7 +618,7 @@ def _embedded_engine(
     engine = Engine(
         checkpoint.model,
         config,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_ids,
         token_bytes=tokenizer.token_bytes,
     )
     driver = AsyncEngine(engine)
@@ -619,8 +627,12 @@ def _embedded_engine(
         driver,
         tokenizer,
         default_max_tokens=128,
-        chat_template=ChatTemplate.for_checkpoint(args.model),
-        version=_weights_version(args.model),
+        chat_template=None
+        if checkpoint.chat_template is None
+        else ChatTemplate(
+            checkpoint.chat_template, bos_token=checkpoint.bos_token, eos_token=checkpoint.eos_token
+        ),
+        version=_weights_version(checkpoint.weight_files),
         ttft_slo_s=args.ttft_slo,
         ttft_headroom_s=args.ttft_headroom,
     )
@@ -634,10 +646,10 @@ async def _warm_engine(driver: AsyncEngine, backend: EngineBackend) -> AsyncIter
         yield driver
 
 
-def _weights_version(directory: Path) -> str:
+def _weights_version(files: tuple[Path, ...]) -> str:
     """The first 12 hex digits of the SHA-256 of the checkpoint's weights."""
     digest = hashlib.sha256()
-    for path in sorted(directory.glob("*.safetensors")):
+    for path in files:
         with path.open("rb") as weights:
             while chunk := weights.read(1 << 20):
                 digest.update(chunk)
@@ -784,11 +796,16 @@ def serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"sluice serve: {exc}", file=sys.stderr)
         return 2
+    model_name = None
     if args.model is None and not backends and not args.no_model:
-        args.model = BUNDLED_MODEL
+        try:
+            args.model, model_name = default_model_file(), DEFAULT_MODEL_NAME
+        except OSError as exc:
+            print(f"sluice serve: {exc}", file=sys.stderr)
+            return 2
     if args.model is not None and not args.no_model:
         try:
-            name, backend, engine = _embedded_engine(args)
+            name, backend, engine = _embedded_engine(args, model_name)
         except (OSError, ValueError, ConfigError) as exc:
             print(f"sluice serve: --model {args.model}: {exc}", file=sys.stderr)
             return 2

@@ -50,7 +50,8 @@ def test_token_bytes_concatenate_to_the_text(checkpoint_dir: Path, text: str) ->
     out = "".join(detokenizer.push(tokenizer.token_bytes(t)) for t in ids) + detokenizer.flush()
     assert out == text
     assert tokenizer.eos_token_id is not None
-    assert tokenizer.token_bytes(tokenizer.eos_token_id) == b"<|endoftext|>"
+    assert tokenizer.token_text(tokenizer.eos_token_id) == "<|endoftext|>"
+    assert tokenizer.token_bytes(tokenizer.eos_token_id) == b""  # special: never output text
 
 
 def test_a_checkpoint_loads_by_name_and_computes_the_same_logits(checkpoint_dir: Path) -> None:

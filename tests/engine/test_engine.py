@@ -9,7 +9,7 @@ single-sequence cache, so it shares no scheduling, chunking or prefix caching wi
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import pytest
 import torch
@@ -37,7 +37,7 @@ def make_engine(
     max_num_batched_tokens: int = 64,
     max_waiting: int = 64,
     max_model_len: int | None = None,
-    eos_token_id: int | None = None,
+    eos_token_id: int | Collection[int] | None = None,
     token_bytes: Callable[[int], bytes] = ascii_bytes,
 ) -> Engine:
     config = EngineConfig(
@@ -299,6 +299,20 @@ def test_eos_finishes_with_stop_unless_ignored(model: GPT2LMHeadModel, ignore_eo
     else:
         assert tokens_of(outputs) == reference[: index + 1]
         assert outputs[-1].finish_reason == "stop"
+
+
+def test_any_of_several_eos_ids_finishes_with_stop(model: GPT2LMHeadModel) -> None:
+    """A model with two end tokens (Llama 3's ``<|end_of_text|>`` and ``<|eot_id|>``): the
+    second one, not the first, ends this generation."""
+    prompt = [8, 6, 7, 5, 3, 0, 9]
+    reference = naive_greedy(model, prompt, 16)
+    index = first_new_token_index(reference)
+    never = next(t for t in range(model.config.vocab_size) if t not in reference)
+    engine = make_engine(model, eos_token_id=[never, reference[index]])
+    request_id = engine.add_request(prompt, SamplingParams(max_tokens=16, temperature=0))
+    outputs = run_to_completion(engine)[request_id]
+    assert tokens_of(outputs) == reference[: index + 1]
+    assert outputs[-1].finish_reason == "stop"
 
 
 def test_stop_string_split_across_tokens_is_caught_and_not_leaked(

@@ -1,5 +1,7 @@
-"""``sluice serve``: the bundled model by default, ``--model DIR`` for any checkpoint directory,
-streamed by the embedded engine; ``--no-model`` for the words demo alone."""
+"""``sluice serve``: the bundled ``sluice-tiny`` (``--model models/sluice-tiny``, as the test
+server runs it), ``--model DIR`` for any checkpoint directory, streamed by the embedded
+engine; ``--no-model`` for the words demo alone. The default model (no flag) is tested in
+``test_default_model.py``."""
 
 from __future__ import annotations
 
@@ -103,7 +105,7 @@ def test_an_impossible_ttft_objective_stops_serve_with_a_clear_message(
     assert message in result.stderr
 
 
-def test_the_bundled_model_is_the_default_and_streams_the_engines_greedy_tokens(
+def test_the_bundled_model_streams_the_engines_greedy_tokens(
     server: ServerProcess,
 ) -> None:
     prompt, max_tokens = "Return the number of", 12

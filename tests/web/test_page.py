@@ -27,7 +27,7 @@ pytestmark = pytest.mark.browser
 # Deadline for any single wait on the page, in milliseconds (generous: CI machines are busy).
 WAIT_MS = 30_000
 
-# The model ``sluice serve`` loads by default, and the demo backend it always serves.
+# The model the test server loads (tests/server.py), and the demo backend it always serves.
 DEFAULT_MODEL = "sluice-tiny"
 WORDS = "words"
 # What the status pane shows for a value not known yet (an en dash).

@@ -1,7 +1,8 @@
 """Chat templates: a list of messages to the one prompt string a model continues.
 
-A checkpoint that ships a ``chat_template`` (in ``tokenizer_config.json``, as Hugging Face
-checkpoints do) is rendered with it, in a sandboxed jinja2 environment, with the variables
+A model that ships a chat template (the loader finds it: ``chat_template.jinja`` or
+``tokenizer_config.json`` of a checkpoint, a GGUF's ``tokenizer.chat_template``) is rendered
+with it, in a sandboxed jinja2 environment, with the variables
 such templates expect: ``messages`` (``role``/``content`` dicts), ``add_generation_prompt``
 (always true), ``bos_token``, ``eos_token`` and ``raise_exception``.
 
@@ -18,9 +19,7 @@ message first as plain text, then ``Assistant:`` for the model to continue::
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from pathlib import Path
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -57,23 +56,6 @@ class ChatTemplate:
         self._bos = bos_token
         self._eos = eos_token
 
-    @classmethod
-    def for_checkpoint(cls, directory: Path) -> ChatTemplate:
-        """The checkpoint's own template from ``tokenizer_config.json``, else the simple one."""
-        path = directory / "tokenizer_config.json"
-        try:
-            config = json.loads(path.read_text("utf-8"))
-        except FileNotFoundError:
-            return cls(SIMPLE_TEMPLATE)
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{path}: {exc}") from exc
-        source = config.get("chat_template") if isinstance(config, dict) else None
-        if not isinstance(source, str):  # absent, or a list of named templates (unsupported)
-            return cls(SIMPLE_TEMPLATE)
-        return cls(
-            source, bos_token=_token(config, "bos_token"), eos_token=_token(config, "eos_token")
-        )
-
     def render(self, messages: Sequence[ChatMessage]) -> str:
         """The prompt that asks the model for the next assistant message."""
         if not messages:
@@ -87,11 +69,3 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as exc:
             raise BadRequestError(f"the chat template failed on these messages: {exc}") from exc
-
-
-def _token(config: dict[str, object], name: str) -> str:
-    """A special token from ``tokenizer_config.json``: a string or ``{"content": ...}``."""
-    value = config.get(name)
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else ""

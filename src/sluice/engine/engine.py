@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Literal
 
@@ -159,6 +159,8 @@ class Engine:
     """Continuous-batching generation over a paged KV cache.
 
     ``token_bytes`` turns a token id into its raw bytes (the tokenizer supplies it).
+    ``eos_token_id`` is the id, or the ids, that end a generation (every EOS the model's
+    config files declare; Llama 3 has two, ``<|end_of_text|>`` and ``<|eot_id|>``).
     """
 
     def __init__(
@@ -166,7 +168,7 @@ class Engine:
         model: PagedModel,
         config: EngineConfig,
         *,
-        eos_token_id: int | None,
+        eos_token_id: int | Collection[int] | None,
         token_bytes: Callable[[int], bytes],
     ) -> None:
         if config.max_model_len > model.config.n_positions:
@@ -175,7 +177,13 @@ class Engine:
                 f"n_positions {model.config.n_positions}"
             )
         self.config = config
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids: frozenset[int] = frozenset(
+            ()
+            if eos_token_id is None
+            else (eos_token_id,)
+            if isinstance(eos_token_id, int)
+            else eos_token_id
+        )
         self._token_bytes = token_bytes
         self._vocab_size = model.config.vocab_size
         self.block_manager = BlockManager(config.num_blocks, config.block_size)
@@ -356,7 +364,7 @@ class Engine:
     def _check_finish(self, request: _Request, token: int) -> tuple[str, FinishReason | None]:
         """The text ``token`` releases and why the request ends with it, if it does."""
         params, detokenizer = request.params, request.detokenizer
-        is_eos = token == self.eos_token_id and not params.ignore_eos
+        is_eos = token in self.eos_token_ids and not params.ignore_eos
         if is_eos or token in params.stop_token_ids:
             return detokenizer.flush(), "stop"
         text = detokenizer.push(self._token_bytes(token))

@@ -1,5 +1,12 @@
-"""Loading a Hugging Face-format checkpoint directory: ``config.json``, ``*.safetensors``,
-``tokenizer.json``. ``model_type`` picks the architecture: ``gpt2`` or ``llama``.
+"""Loading a model: a Hugging Face-format checkpoint directory, or a GGUF file.
+
+:func:`load_checkpoint` takes a directory with ``config.json``, ``*.safetensors`` and
+``tokenizer.json`` (``model_type`` picks the architecture: ``gpt2`` or ``llama``), a
+``.gguf`` file (llama.cpp's, Ollama's; :mod:`sluice.engine.gguf`), or a directory holding
+exactly one ``.gguf`` and no ``config.json``. Beside the model it returns what serving it
+needs: the chat template, BOS/EOS (:mod:`sluice.engine.hf_files` for a checkpoint
+directory, the file's metadata for a GGUF; a ``tokenizer.json`` beside a GGUF replaces the
+tokenizer its metadata describes) and the files whose bytes are the weights.
 
 Weights are read with ``safetensors`` and loaded strictly by name into our model. Llama
 checkpoints load as they are (a missing ``lm_head.weight`` is tied to the embeddings when
@@ -19,9 +26,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from sluice.engine.gguf import read_gguf_model
+from sluice.engine.gguf_file import GGUFError, GGUFFile
+from sluice.engine.gguf_vocab import gguf_special_tokens, gguf_tokenizer
+from sluice.engine.hf_files import HFFilesError, read_chat_template, read_special_tokens
 from sluice.engine.models.gpt2 import GPT2Config, GPT2LMHeadModel
 from sluice.engine.models.llama import LlamaConfig, LlamaForCausalLM
-from sluice.engine.tokenizer import Tokenizer
+from sluice.engine.tokenizer import Tokenizer, TokenizerError
 
 __all__ = ["Checkpoint", "CheckpointError", "load_checkpoint"]
 
@@ -34,12 +45,18 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A loaded model with its tokenizer; ``name`` is the directory's name."""
+    """A loaded model with its tokenizer; ``name`` is the directory's name (a GGUF file's
+    name without ``.gguf``) unless the caller named it. ``chat_template`` is None for a
+    model without one; ``bos_token``/``eos_token`` are the texts a template may write."""
 
     name: str
     model: GPT2LMHeadModel | LlamaForCausalLM
     config: GPT2Config | LlamaConfig
     tokenizer: Tokenizer
+    chat_template: str | None = None
+    bos_token: str = ""
+    eos_token: str = ""
+    weight_files: tuple[Path, ...] = ()
 
 
 def _read_config(directory: Path) -> dict[str, object]:
@@ -77,29 +94,114 @@ def _state_dict(directory: Path, model_type: str, *, tied: bool) -> dict[str, to
     return state
 
 
-def load_checkpoint(directory: str | Path) -> Checkpoint:
-    """Load a GPT-2 or Llama checkpoint directory onto the CPU in fp32."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: not a directory")
+def _build(
+    config: GPT2Config | LlamaConfig, state: dict[str, torch.Tensor], where: Path
+) -> GPT2LMHeadModel | LlamaForCausalLM:
+    """Our model of ``config`` with the weights of ``state`` (fp32 on the CPU), made on the
+    meta device so that no random initialisation is paid for weights about to be replaced."""
+    with torch.device("meta"):
+        model = (
+            LlamaForCausalLM(config) if isinstance(config, LlamaConfig) else GPT2LMHeadModel(config)
+        )
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{where}: weights do not fit the config: {exc}") from exc
+    if isinstance(model, GPT2LMHeadModel) or model.config.tie_word_embeddings:
+        embeddings = (
+            model.transformer.wte
+            if isinstance(model, GPT2LMHeadModel)
+            else model.model.embed_tokens
+        )
+        model.lm_head.weight = embeddings.weight  # assign=True replaced the shared parameter
+    return model.eval()
+
+
+def _load_directory(directory: Path, name: str) -> Checkpoint:
     hf_config = _read_config(directory)
     model_type = str(hf_config.get("model_type", "gpt2"))
     config: GPT2Config | LlamaConfig
-    model: GPT2LMHeadModel | LlamaForCausalLM
     try:
         if model_type == "llama":
             config = LlamaConfig.from_hf_config(hf_config)
-            model = LlamaForCausalLM(config)
         else:
             config = GPT2Config.from_hf_config(hf_config)
-            model = GPT2LMHeadModel(config)
     except ValueError as exc:
         raise CheckpointError(f"{directory}/config.json: {exc}") from exc
+    tied = isinstance(config, GPT2Config) or config.tie_word_embeddings
+    model = _build(config, _state_dict(directory, model_type, tied=tied), directory)
     try:
-        tied = isinstance(config, GPT2Config) or config.tie_word_embeddings
-        model.load_state_dict(_state_dict(directory, model_type, tied=tied), strict=True)
-    except RuntimeError as exc:
-        raise CheckpointError(f"{directory}: weights do not fit config.json: {exc}") from exc
-    model.eval()
-    tokenizer = Tokenizer.from_file(directory / "tokenizer.json")
-    return Checkpoint(directory.name, model, config, tokenizer)
+        backend = Tokenizer.from_file(directory / "tokenizer.json").backend
+        special = read_special_tokens(directory, backend)
+        tokenizer = Tokenizer(
+            backend,
+            eos_token_ids=special.eos_token_ids,
+            bos_token_id=special.bos_token_id,
+            add_bos_token=special.add_bos_token,
+        )
+        template = read_chat_template(directory)
+    except (HFFilesError, TokenizerError) as exc:
+        raise CheckpointError(str(exc)) from exc
+    return Checkpoint(
+        name,
+        model,
+        config,
+        tokenizer,
+        chat_template=template,
+        bos_token=special.bos_token,
+        eos_token=special.eos_token,
+        weight_files=tuple(sorted(directory.glob("*.safetensors"))),
+    )
+
+
+def _load_gguf(path: Path, name: str) -> Checkpoint:
+    try:
+        with GGUFFile(path) as file:
+            read = read_gguf_model(file)
+            beside = path.parent / "tokenizer.json"
+            backend = (
+                Tokenizer.from_file(beside).backend
+                if beside.is_file()
+                else gguf_tokenizer(file.metadata)
+            )
+            vocab_size = backend.get_vocab_size(with_added_tokens=True)
+            special = gguf_special_tokens(file.metadata, vocab_size)
+            tokenizer = Tokenizer(
+                backend,
+                eos_token_ids=special.eos_token_ids or None,
+                bos_token_id=special.bos_token_id,
+                add_bos_token=special.add_bos_token,
+            )
+    except (GGUFError, TokenizerError) as exc:
+        raise CheckpointError(str(exc) if str(path) in str(exc) else f"{path}: {exc}") from exc
+    model = _build(read.config, read.state_dict, path)
+    template = read.metadata.get("tokenizer.chat_template")
+    bos, eos = special.bos_token_id, tokenizer.eos_token_id
+    return Checkpoint(
+        name,
+        model,
+        read.config,
+        tokenizer,
+        chat_template=template if isinstance(template, str) else None,
+        bos_token="" if bos is None else tokenizer.token_text(bos),
+        eos_token="" if eos is None else tokenizer.token_text(eos),
+        weight_files=(path,),
+    )
+
+
+def load_checkpoint(path: str | Path, *, name: str | None = None) -> Checkpoint:
+    """Load a checkpoint directory or a GGUF file (see the module) onto the CPU in fp32."""
+    path = Path(path)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise CheckpointError(f"{path}: not a .gguf file nor a checkpoint directory")
+        return _load_gguf(path, name or path.stem)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such file or directory")
+    ggufs = sorted(path.glob("*.gguf"))
+    if not (path / "config.json").exists() and ggufs:
+        if len(ggufs) > 1:
+            listed = ", ".join(file.name for file in ggufs)
+            raise CheckpointError(f"{path}: holds several .gguf files ({listed}); name one")
+        return _load_gguf(ggufs[0], name or path.name)
+    return _load_directory(path, name or path.name)
