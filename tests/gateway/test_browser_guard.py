@@ -233,7 +233,12 @@ def test_a_named_origin_may_send_the_sdks_headers_and_read_every_answer(
         httpx.get(f"{opened.base_url}/v1/demo/words?text=a&interval_ms=0", headers={"Origin": APP}),
         httpx.get(f"{opened.base_url}/v1/nowhere", headers={"Origin": APP}),
         httpx.post(f"{opened.base_url}/v1/chat/completions", json={}, headers={"Origin": APP}),
+        # The SSE reads' own errors (a fetch-based SSE client reads their bodies).
+        httpx.get(f"{opened.base_url}/v1/streams/str_nope/events", headers={"Origin": APP}),
+        httpx.get(f"{opened.base_url}/v1/streams/str_{'A' * 22}/events", headers={"Origin": APP}),
+        httpx.get(f"{opened.base_url}/v1/demo/words?interval_ms=x", headers={"Origin": APP}),
     ]
+    assert [answer.status_code for answer in answers[-3:]] == [400, 404, 400]
     for answer in answers:
         assert answer.headers["access-control-allow-origin"] == APP, answer.request.url
         assert "Origin" in answer.headers["vary"]

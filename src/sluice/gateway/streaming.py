@@ -20,7 +20,9 @@ A reader that falls behind the log while reading gets the in-band ``resume_gap``
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from collections.abc import Sequence
 from urllib.parse import parse_qs
 
 from starlette.responses import Response
@@ -99,14 +101,16 @@ class EventStreams:
     async def open(self, scope: Scope) -> Answer:
         """What a request gets: its stream (with the app's CORS headers), a ``204`` when
         nothing is left (EventSource then stops reconnecting), or an error answer."""
+        cors = self.cors_headers(scope)
         try:
             opened = await self._open_request(scope)
         except SluiceError as exc:
-            return refusal(exc)
+            # With the CORS headers too: a fetch-based SSE client reads the error's body.
+            return _with_headers(refusal(exc), cors)
         if opened is None:
-            return _NO_CONTENT
+            return _with_headers(_NO_CONTENT, cors)
         reader, frames = opened
-        return Streamed(reader, frames, self.cors_headers(scope))
+        return Streamed(reader, frames, cors)
 
     async def _open_request(self, scope: Scope) -> tuple[Reader, FrameSource] | None:
         """The reader a request gets and its frames, or ``None`` when nothing is left.
@@ -201,6 +205,10 @@ class EventStreams:
 
 
 _NO_CONTENT = Whole(204)
+
+
+def _with_headers(answer: Whole, headers: Sequence[tuple[bytes, bytes]]) -> Whole:
+    return dataclasses.replace(answer, headers=(*answer.headers, *headers)) if headers else answer
 
 
 def refusal(exc: SluiceError) -> Whole:
