@@ -1,8 +1,8 @@
 """Decoder behaviour, one test per rule of WHATWG HTML §9.2.5-§9.2.6.
 
-Every rule test takes the ``decode`` fixture and so runs three ways, as h11's readers
-are tested: the whole input in one ``feed``, one byte per ``feed``, and with trailing
-data (an incomplete event after the input, which must never appear).
+Every rule test takes the ``decode`` fixture and so runs four ways, as h11's readers
+are tested: the whole input in one ``feed``, one byte per ``feed``, one ``feed`` per
+blank-line-ended piece (the fast path's shape), and with trailing data (an incomplete event after the input, which must never appear).
 """
 
 from __future__ import annotations
@@ -44,13 +44,24 @@ def _feed_bytewise(decoder: Decoder, stream: bytes) -> list[Event]:
     return events
 
 
+def _feed_per_event(decoder: Decoder, stream: bytes) -> list[Event]:
+    """One ``feed`` per blank-line-ended piece, as an upstream sends one event per chunk
+    (the shape the decoder's fast path takes)."""
+    events: list[Event] = []
+    start = 0
+    while (end := stream.find(b"\n\n", start)) != -1:
+        events += decoder.feed(stream[start : end + 2])
+        start = end + 2
+    return events + decoder.feed(stream[start:])
+
+
 def _feed_with_trailing(decoder: Decoder, stream: bytes) -> list[Event]:
     return decoder.feed(stream + TRAILING_INCOMPLETE)
 
 
 @pytest.fixture(
-    params=[_feed_whole, _feed_bytewise, _feed_with_trailing],
-    ids=["whole", "bytewise", "trailing"],
+    params=[_feed_whole, _feed_bytewise, _feed_per_event, _feed_with_trailing],
+    ids=["whole", "bytewise", "per-event", "trailing"],
 )
 def decode(request: pytest.FixtureRequest) -> Decode:
     """Decode a complete stream, fed one of three ways, then closed."""
@@ -468,3 +479,18 @@ def test_decoder_long_line_fed_bytewise_keeps_buffer_to_one_line() -> None:
     for _ in range(10_000):
         decoder.feed(b"x")
     assert decoder.feed(b"\n\ndata: y\n\n") == [Event("y")]
+
+
+def test_decoder_fast_path_keeps_the_id_and_the_limits() -> None:
+    """Whole ``data:`` events fed one per chunk (the fast path) dispatch what the line
+    path does: the last id carries over, and both limits still apply."""
+    decoder = Decoder(max_line_bytes=16, max_event_chars=8)
+    assert decoder.feed(b"id: 7\ndata: a\n\n") == [Event(data="a", event="message", id="7")]
+    assert decoder.feed(b"data: b\n\n") == [Event(data="b", event="message", id="7")]
+    assert decoder.feed(b"data: \n\n") == [Event(data="", event="message", id="7")]
+    with pytest.raises(EventTooLargeError):
+        decoder.feed(b"data: 12345678\n\n")
+    decoder = Decoder(max_line_bytes=16, max_event_chars=64)
+    decoder.feed(b"data: a\n\n")
+    with pytest.raises(LineTooLongError):
+        decoder.feed(b"data: " + b"x" * 11 + b"\n\n")

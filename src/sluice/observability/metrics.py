@@ -6,7 +6,8 @@ write the stream log's line when a stream ends, see :mod:`sluice.observability.l
 each model's state (engine queues, KV cache, cumulative engine counts) is read when
 ``/metrics`` is scraped (:mod:`sluice.observability.state`); the abort timings come from
 each engine backend's abort observer. The ``vllm:`` families a vLLM Grafana dashboard
-reads are beside these (:mod:`sluice.observability.vllm`). No family has ``_created``
+reads are beside these (:mod:`sluice.observability.vllm`). The families observed per token
+are :mod:`sluice.observability.loop_metrics`' lock-free ones. No family has ``_created``
 samples; the format follows ``Accept`` (:mod:`sluice.observability.exposition`).
 
 Every stream metric has ``model`` and ``model_version`` labels (the version is the
@@ -84,6 +85,12 @@ from sluice.backends.base import model_version
 from sluice.errors import CapacityError, TenantLimitError, UnknownModelError
 from sluice.observability.exposition import Registry, encode
 from sluice.observability.logs import log_stream_end
+from sluice.observability.loop_metrics import (
+    LoopCounter,
+    LoopCounterChild,
+    LoopHistogram,
+    LoopHistogramChild,
+)
 from sluice.observability.state import ModelState, StateCollector
 from sluice.observability.vllm import VllmFamilies, VllmSeries
 from sluice.streams.hub import Stream
@@ -110,8 +117,8 @@ class _TokenSeries:
     """One model's children of the families observed per token delta (looked up once)."""
 
     ttft: Histogram
-    itl: Histogram
-    tokens_total: Counter
+    itl: LoopHistogramChild
+    tokens_total: LoopCounterChild
     vllm: VllmSeries
 
 
@@ -126,11 +133,14 @@ class Metrics:
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, labels, registry=registry, buckets=_LATENCY_BUCKETS)
 
-        self.sse_gap = histogram(
+        def per_token_histogram(name: str, doc: str) -> LoopHistogram:
+            return LoopHistogram(name, doc, labels, registry=registry, buckets=_LATENCY_BUCKETS)
+
+        self.sse_gap = per_token_histogram(
             "sluice_sse_inter_event_gap_seconds", "Gap between writes of token events"
         )
         # The per-model children, so a write's observation skips the label lookup.
-        self._sse_gap_by_model: dict[str, Histogram] = {}
+        self._sse_gap_by_model: dict[str, LoopHistogramChild] = {}
         self.cancel_to_kv_free = Histogram(
             "sluice_cancel_to_kv_free_seconds",
             "Time from an engine request's abort to its KV blocks being free",
@@ -139,14 +149,16 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
         )
         self.ttft = histogram("sluice_time_to_first_token_seconds", "Time to first token")
-        self.itl = histogram("sluice_inter_token_latency_seconds", "Gap between token appends")
+        self.itl = per_token_histogram(
+            "sluice_inter_token_latency_seconds", "Gap between token appends"
+        )
         self.queue = histogram("sluice_queue_seconds", "Time until the backend admitted it")
         self.e2e = histogram("sluice_e2e_seconds", "Time from creation to the end")
         self.active = Gauge("sluice_streams_active", "Live streams", labels, registry=registry)
         self.finished_total = Counter(
             "sluice_streams_finished", "Ended streams", (*labels, "reason"), registry=registry
         )
-        self.tokens_total = Counter(
+        self.tokens_total = LoopCounter(
             "sluice_tokens", "Token events appended", labels, registry=registry
         )
         self.resumes = Counter("sluice_resumes", "Resumed reads", registry=registry)

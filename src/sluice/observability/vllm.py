@@ -32,6 +32,13 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from sluice.observability.loop_metrics import (
+    LoopCounter,
+    LoopCounterChild,
+    LoopHistogram,
+    LoopHistogramChild,
+)
+
 __all__ = ["FINISHED_REASONS", "LABELS", "VllmFamilies", "VllmSeries", "finished_reason"]
 
 LABELS = ("model_name", "model_version")
@@ -94,8 +101,8 @@ class VllmSeries:
     """One model's children of every stream-observed ``vllm:`` family (looked up once)."""
 
     ttft: Histogram
-    itl: Histogram
-    time_per_output_token: Histogram
+    itl: LoopHistogramChild
+    time_per_output_token: LoopHistogramChild
     e2e: Histogram
     queue: Histogram
     prefill: Histogram
@@ -105,7 +112,7 @@ class VllmSeries:
     request_generation_tokens: Histogram
     request_max_num_generation_tokens: Histogram
     prompt_tokens: Counter
-    generation_tokens: Counter
+    generation_tokens: LoopCounterChild
     prefix_cache_queries: Counter
     prefix_cache_hits: Counter
     success: dict[str, Counter]
@@ -130,10 +137,14 @@ class VllmFamilies:
         self._ttft = histogram(
             "vllm:time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS
         )
-        self._itl = histogram(
+
+        def per_token_histogram(name: str, doc: str, buckets: tuple[float, ...]) -> LoopHistogram:
+            return LoopHistogram(name, doc, LABELS, registry=registry, buckets=buckets)
+
+        self._itl = per_token_histogram(
             "vllm:inter_token_latency_seconds", "Gap between token appends", _ITL_BUCKETS
         )
-        self._tpot = histogram(
+        self._tpot = per_token_histogram(
             "vllm:time_per_output_token_seconds",
             "Gap between token appends (the older name of vllm:inter_token_latency_seconds)",
             _ITL_BUCKETS,
@@ -173,7 +184,9 @@ class VllmFamilies:
             _TOKEN_BUCKETS,
         )
         self._prompt = counter("vllm:prompt_tokens", "Prompt tokens of ended requests")
-        self._generation = counter("vllm:generation_tokens", "Generated tokens")
+        self._generation = LoopCounter(
+            "vllm:generation_tokens", "Generated tokens", LABELS, registry=registry
+        )
         self._queries = counter(
             "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
         )

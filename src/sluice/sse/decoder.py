@@ -169,6 +169,10 @@ class Decoder:
         if self._closed:
             raise SSEDecodeError("SSE decoder fed after close()")
         buffer = self._buffer
+        if not buffer and self._plain_state():
+            event = self._whole_data_event(data)
+            if event is not None:
+                return [event]
         buffer += data
         start = 0
         if self._bom_pending:
@@ -208,6 +212,24 @@ class Decoder:
         if len(buffer) > max_line_bytes:
             self._fail(LineTooLongError(max_line_bytes))
         return events
+
+    def _plain_state(self) -> bool:
+        """Between events, with nothing pending: where the fast path may start."""
+        return not (self._data_lines or self._event_type or self._bom_pending or self._skip_lf)
+
+    def _whole_data_event(self, data: bytes) -> Event | None:
+        """The fast path for the commonest chunk, one whole ``data: X\\n\\n`` event: the
+        event the line-by-line path would dispatch (same limits), or ``None`` to take
+        that path."""
+        if not (data.startswith(b"data: ") and data.endswith(b"\n\n")) or data.count(b"\n") != 2:
+            return None
+        if b"\r" in data or len(data) - 2 > self._max_line_bytes:
+            return None  # other line ends, or a too-long line: the general path decides
+        value = data[6:-2].decode("utf-8", "replace")
+        if len(value) + 1 > self._max_event_chars:
+            return None
+        self._last_event_id = self._last_event_id_buffer  # as _dispatch does
+        return Event(data=value, event="message", id=self._last_event_id)
 
     def close(self) -> list[Event]:
         """Mark the end of the stream and discard any incomplete event.
