@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Final
 
 __all__ = [
     "BENCH_DIR",
@@ -163,21 +164,44 @@ def _descendants(pid: int) -> list[int]:
 
 
 def process_cpu_s(pid: int) -> float:
-    """CPU seconds used so far by ``pid`` and its descendants, every thread (nanosecond
-    resolution: the first field of /proc/PID/task/TID/schedstat; the same source as
-    ssebench's server CPU figures)."""
-    total_ns = 0
+    """CPU seconds used so far by ``pid`` and its descendants, every thread.
+
+    Live threads count at nanosecond resolution (the first field of
+    /proc/PID/task/TID/schedstat, the same source as ssebench's server CPU figures).
+    Threads that have exited and reaped children are gone from there, so without them a
+    process that starts and ends threads (LiteLLM does, per request) could even show
+    negative CPU over an interval: they count at clock-tick resolution, as what the
+    process's /proc/PID/stat totals hold beyond its live threads' own totals.
+    """
+    total_s = 0.0
     for process in _descendants(pid):
         try:
             threads = list(Path(f"/proc/{process}/task").iterdir())
-        except OSError:
+            process_ticks = _stat_ticks(Path(f"/proc/{process}/stat"), children=True)
+        except (OSError, IndexError, ValueError):
             continue
+        live_ticks = 0
         for thread in threads:
             try:
-                total_ns += int((thread / "schedstat").read_text().split()[0])
+                total_s += int((thread / "schedstat").read_text().split()[0]) / 1e9
+                live_ticks += _stat_ticks(thread / "stat", children=False)
             except (OSError, IndexError, ValueError):
                 continue
-    return total_ns / 1e9
+        total_s += max(0, process_ticks - live_ticks) / _CLOCK_TICKS
+    return total_s
+
+
+_CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK")
+
+
+def _stat_ticks(path: Path, *, children: bool) -> int:
+    """utime + stime (+ cutime + cstime) of a /proc stat file, in clock ticks."""
+    stat = path.read_bytes()
+    fields = stat[stat.rfind(b")") + 2 :].split()  # fields from the third (state) on
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15
+    if children:
+        ticks += int(fields[13]) + int(fields[14])  # cutime, cstime: reaped children
+    return ticks
 
 
 def _answers(port: int, path: str) -> bool:
