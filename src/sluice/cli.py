@@ -92,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     serve.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="also serve the gRPC API (sluice.v1.Streams, health, reflection) on this port "
+        "of --host (default: no gRPC)",
+    )
+    serve.add_argument(
         "--fd",
         type=int,
         default=None,
@@ -520,6 +528,8 @@ def _settings(args: argparse.Namespace) -> Settings:
         max_retained_streams_per_tenant=args.max_retained_streams_per_tenant,
         max_tokens_per_stream=args.max_tokens_per_stream,
         max_stream_s=args.max_stream_duration,
+        grpc_port=args.grpc_port,
+        grpc_host=args.host,
     )
 
 

@@ -15,6 +15,7 @@ unknown paths and methods get the shape of the API they are under (Anthropic's u
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from importlib import resources as package_data
 from typing import TYPE_CHECKING
@@ -50,6 +51,8 @@ if TYPE_CHECKING:  # loaded only with --models-config (it imports scipy)
 
 __all__ = ["SluiceApp", "create_app"]
 
+logger = logging.getLogger(__name__)
+
 
 class SluiceApp:
     """The ASGI callable; ``hub`` is exposed for operations and tests, ``opener`` for the
@@ -66,6 +69,7 @@ class SluiceApp:
         self.runtime = runtime
         self.rollouts = rollouts
         self.auth = auth or Auth.anonymous()
+        self.grpc_port: int | None = None  # the gRPC front's port while it runs
         self.frames = runtime.frames
         self.metrics = runtime.metrics
         self.hub = runtime.hub
@@ -117,7 +121,17 @@ class SluiceApp:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        async with self.runtime.running():
+        async with self.runtime.running(), contextlib.AsyncExitStack() as fronts:
+            settings = self.settings
+            if settings.grpc_port is not None:
+                # Imported on demand: the generated messages and grpcio load only for gRPC.
+                from sluice.grpc_api.server import serving
+
+                front = serving(
+                    self.runtime, settings, self.auth, settings.grpc_host, settings.grpc_port
+                )
+                self.grpc_port = await fronts.enter_async_context(front)
+                logger.info("gRPC on %s:%d", settings.grpc_host, self.grpc_port)
             yield
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -82,8 +82,14 @@ class Settings:
     # names under it; ``"*"``: any). ``None``: loopback names only while callers without
     # a key are served, any when every caller needs a key (see sluice.gateway.hosts).
     allowed_hosts: tuple[str, ...] | None = None
+    # The gRPC front (sluice.grpc_api.server): served on grpc_host:grpc_port for the app's
+    # lifespan when grpc_port is set (0: a free port, logged).
+    grpc_port: int | None = None
+    grpc_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
+        if self.grpc_port is not None and not 0 <= self.grpc_port <= 65535:
+            raise ConfigError(f"grpc_port must be a TCP port (0-65535), got {self.grpc_port}")
         positive = {
             "max_streams": self.max_streams,
             "max_streams_per_tenant": _or(self.max_streams_per_tenant, 1),

@@ -144,21 +144,11 @@ class EventStreams:
 
     def _open(self, stream: Stream, after_seq: int, skip: int) -> tuple[Reader, FrameSource] | None:
         log = self._hub.log
-        last_seq = log.last_seq(stream.id)
-        if after_seq > last_seq:
-            raise BadEventIdError(
-                f"Last-Event-ID names event {after_seq}, but stream {stream.id} has {last_seq}"
-            )
         meta = stream.render
-        if skip and (meta is None or after_seq >= last_seq):
+        if skip and (meta is None or after_seq >= log.last_seq(stream.id)):
             raise BadEventIdError(f"Last-Event-ID names a frame stream {stream.id} never sent")
-        if stream.is_terminal and after_seq >= last_seq:
+        if not readable_after(self._hub, stream, after_seq, self._metrics):
             return None
-        try:
-            log.read(stream.id, after_seq, 1)  # is the position still retained?
-        except ResumeGapError:
-            self._metrics.resume_gaps.inc()
-            raise
         # A compatible stream resumes in its dialect; a frame id it never sent is refused
         # here, before the reader exists.
         frames = frame_source(self._frames, log, stream.id, meta, after_seq, skip)
@@ -205,6 +195,28 @@ class EventStreams:
 
 
 _NO_CONTENT = Whole(204)
+
+
+def readable_after(hub: StreamHub, stream: Stream, after_seq: int, metrics: Metrics) -> bool:
+    """Whether a reader of ``stream`` after event ``after_seq`` has anything to read: False
+    once the stream ended and the position has it all. Raises
+    :class:`~sluice.errors.BadEventIdError` for a position past the stream's last event and
+    :class:`~sluice.errors.ResumeGapError` (counted) for one the log no longer holds. Every
+    transport's reads (SSE, gRPC, ...) check their position here."""
+    log = hub.log
+    last_seq = log.last_seq(stream.id)
+    if after_seq > last_seq:
+        raise BadEventIdError(
+            f"Last-Event-ID names event {after_seq}, but stream {stream.id} has {last_seq}"
+        )
+    if stream.is_terminal and after_seq >= last_seq:
+        return False
+    try:
+        log.read(stream.id, after_seq, 1)  # is the position still retained?
+    except ResumeGapError:
+        metrics.resume_gaps.inc()
+        raise
+    return True
 
 
 def _with_headers(answer: Whole, headers: Sequence[tuple[bytes, bytes]]) -> Whole:

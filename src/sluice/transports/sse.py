@@ -10,9 +10,10 @@ coalesced run and timeout; a shell only moves its bytes and runs its timers:
   task, queue or buffer per connection: a held idle stream costs this object, the core
   and one timer.
 - :func:`send_event_stream` is the same delivery as a plain ASGI coroutine, for any ASGI
-  server: each ``send`` runs under the send timeout (a send that had to wait for the socket
-  marks the connection paused, then resumed: it is lagging), the client's disconnect is
-  watched by one task under a task group (:mod:`sluice.transports.disconnect`).
+  server, driven by :func:`sluice.transports.awaited.pump` (each ``send`` under the send
+  timeout; a send that had to wait for the socket marks the connection lagging); the
+  client's disconnect is watched by one task under a task group
+  (:mod:`sluice.transports.disconnect`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterable
 
 from sluice.streams.reader import Reader
 from sluice.transports.asgi import Receive, Send
+from sluice.transports.awaited import pump
 from sluice.transports.delivery import Delivery, DeliveryOptions, Ending
 from sluice.transports.disconnect import watching_disconnect
 from sluice.transports.frames import FrameSource
@@ -34,10 +36,6 @@ SSE_HEADERS: tuple[tuple[bytes, bytes], ...] = (
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 )
-
-# An ASGI ``send`` that returns later than this waited for the socket to drain (a send that
-# does not wait returns within microseconds): the sink was paused.
-_SEND_WAITED_S = 0.002
 
 
 class CallbackSSE:
@@ -198,44 +196,25 @@ async def send_event_stream(
         gone = True
         reader.wake()
 
-    loop = asyncio.get_running_loop()
+    async def send_body(body: bytes) -> None:
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+
     try:
-        async with watching_disconnect(receive, on_disconnect), asyncio.timeout(None) as deadline:
-
-            async def write(body: bytes, more_body: bool = True) -> None:
-                """Send under the deadline; a send that had to wait paused the sink."""
-                before = loop.time()
-                deadline.reschedule(before + options.send_timeout_s)
-                await send({"type": "http.response.body", "body": body, "more_body": more_body})
-                deadline.reschedule(None)
-                if loop.time() - before > _SEND_WAITED_S:
-                    now = time.monotonic()
-                    core.on_paused(now)
-                    core.on_resumed(now)
-
-            deadline.reschedule(loop.time() + options.send_timeout_s)
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [*SSE_HEADERS, *extra_headers],
-                }
+        async with watching_disconnect(receive, on_disconnect):
+            async with asyncio.timeout(options.send_timeout_s):
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [*SSE_HEADERS, *extra_headers],
+                    }
+                )
+            whole = await pump(
+                core, send_body, send_timeout_s=options.send_timeout_s, gone=lambda: gone
             )
-            deadline.reschedule(None)
-            data = core.start(time.monotonic())
-            while not gone:
-                if data:
-                    await write(data)
-                if core.ended is not None or gone:
-                    break
-                if core.waiting:
-                    woke = await reader.wait(max(0.0, core.wake_at - time.monotonic()))
-                    now = time.monotonic()
-                    data = core.on_records(now) if woke else core.on_timer(now)
-                else:
-                    data = core.on_records(time.monotonic())
-            if not gone and core.ended is Ending.CLEAN:
-                await write(b"", more_body=False)
+            if whole:
+                async with asyncio.timeout(options.send_timeout_s):
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
     except TimeoutError:
         # A send waited ``send_timeout_s`` for the socket to drain: give up on the client
         # (it may resume). ASGI cannot abort a response, so return without completing it:
