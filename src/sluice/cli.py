@@ -58,6 +58,7 @@ from sluice.streams.log import LogLimits
 from sluice.transports.delivery import DeliveryOptions
 from sluice.transports.http1.opener import Http1Limits
 from sluice.transports.http1.uvicorn_adapter import exit_without_reraise, protocol_class
+from sluice.transports.http2 import Http2Options
 
 if TYPE_CHECKING:
     from sluice.rollout.controller import Rollouts
@@ -91,6 +92,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    serve.add_argument(
+        "--http2",
+        action="store_true",
+        help="also serve HTTP/2 (and HTTP/1.1) on --http2-port: h2c with prior knowledge, "
+        "or over TLS with ALPN given --ssl-certfile and --ssl-keyfile",
+    )
+    serve.add_argument(
+        "--http2-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="the HTTP/2 listener's port on --host (implies --http2; default: --port + 1)",
+    )
+    serve.add_argument(
+        "--ssl-certfile",
+        type=Path,
+        default=None,
+        metavar="PEM",
+        help="the HTTP/2 listener's TLS certificate chain (with --ssl-keyfile)",
+    )
+    serve.add_argument(
+        "--ssl-keyfile",
+        type=Path,
+        default=None,
+        metavar="PEM",
+        help="the HTTP/2 listener's TLS private key",
+    )
     serve.add_argument(
         "--grpc-port",
         type=int,
@@ -530,7 +558,22 @@ def _settings(args: argparse.Namespace) -> Settings:
         max_stream_s=args.max_stream_duration,
         grpc_port=args.grpc_port,
         grpc_host=args.host,
+        http2=_http2(args),
     )
+
+
+def _http2(args: argparse.Namespace) -> Http2Options | None:
+    """The HTTP/2 listener the options ask for, if any."""
+    wanted = args.http2 or args.http2_port is not None
+    if not wanted:
+        if args.ssl_certfile is not None or args.ssl_keyfile is not None:
+            raise ConfigError("--ssl-certfile and --ssl-keyfile are for --http2")
+        return None
+    port = args.port + 1 if args.http2_port is None else args.http2_port
+    for path in (args.ssl_certfile, args.ssl_keyfile):
+        if path is not None and not path.is_file():
+            raise ConfigError(f"no such file: {path}")
+    return Http2Options(args.host, port, args.ssl_certfile, args.ssl_keyfile)
 
 
 def _allowed_hosts(args: argparse.Namespace) -> tuple[str, ...] | None:

@@ -45,6 +45,7 @@ from sluice.gateway.settings import Settings
 from sluice.gateway.streaming import EventStreams
 from sluice.runtime import Resource, Runtime
 from sluice.transports.asgi import Receive, Scope, Send
+from sluice.transports.http2 import serving_http2
 
 if TYPE_CHECKING:  # loaded only with --models-config (it imports scipy)
     from sluice.rollout.controller import Rollouts
@@ -124,7 +125,7 @@ class SluiceApp:
         async with self.runtime.running(), contextlib.AsyncExitStack() as fronts:
             settings = self.settings
             if settings.grpc_port is not None:
-                # Imported on demand: the generated messages and grpcio load only for gRPC.
+                # Imported on demand: grpcio and the generated messages load only for gRPC.
                 from sluice.grpc_api.server import serving
 
                 front = serving(
@@ -132,6 +133,10 @@ class SluiceApp:
                 )
                 self.grpc_port = await fronts.enter_async_context(front)
                 logger.info("gRPC on %s:%d", settings.grpc_host, self.grpc_port)
+            if settings.http2 is not None:
+                port = await fronts.enter_async_context(serving_http2(self, settings.http2))
+                scheme = "https" if settings.http2.tls else "http (h2c)"
+                logger.info("HTTP/2 on %s://%s:%d", scheme, settings.http2.host, port)
             yield
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -12,6 +12,7 @@ from sluice.streams.hub import HubSettings
 from sluice.streams.log import LogLimits
 from sluice.transports.delivery import DeliveryOptions
 from sluice.transports.http1.opener import Http1Limits
+from sluice.transports.http2 import Http2Options
 
 __all__ = [
     "DEFAULT_MAX_RETAINED_STREAMS_PER_TENANT",
@@ -86,6 +87,8 @@ class Settings:
     # lifespan when grpc_port is set (0: a free port, logged).
     grpc_port: int | None = None
     grpc_host: str = "127.0.0.1"
+    # The HTTP/2 listener beside the HTTP/1.1 one (sluice.transports.http2), if any.
+    http2: Http2Options | None = None
 
     def __post_init__(self) -> None:
         if self.grpc_port is not None and not 0 <= self.grpc_port <= 65535:
