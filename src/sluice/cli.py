@@ -58,7 +58,7 @@ from sluice.streams.log import LogLimits
 from sluice.transports.delivery import DeliveryOptions
 from sluice.transports.http1.opener import Http1Limits
 from sluice.transports.http1.uvicorn_adapter import exit_without_reraise, protocol_class
-from sluice.transports.http2 import Http2Options
+from sluice.transports.http2 import Http2Options, check_tls
 
 if TYPE_CHECKING:
     from sluice.rollout.controller import Rollouts
@@ -573,7 +573,9 @@ def _http2(args: argparse.Namespace) -> Http2Options | None:
     for path in (args.ssl_certfile, args.ssl_keyfile):
         if path is not None and not path.is_file():
             raise ConfigError(f"no such file: {path}")
-    return Http2Options(args.host, port, args.ssl_certfile, args.ssl_keyfile)
+    options = Http2Options(args.host, port, args.ssl_certfile, args.ssl_keyfile)
+    check_tls(options)
+    return options
 
 
 def _allowed_hosts(args: argparse.Namespace) -> tuple[str, ...] | None:

@@ -8,7 +8,9 @@ import json
 import socket
 import ssl
 import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import h2.config
 import h2.connection
@@ -173,3 +175,24 @@ def test_a_stalled_stream_does_not_stall_its_neighbour_on_the_same_connection(
     assert token_texts(bytes(bodies[3])) == ["alpha", " beta", " gamma", " delta"]
     assert 1 not in ended  # still held by its closed window
     assert 0 < len(bodies[1]) <= 65535
+
+
+def test_a_certificate_that_does_not_load_stops_the_start_with_a_clear_error(
+    tmp_path: Path,
+) -> None:
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    command = [sys.executable, "-m", "sluice.cli", "serve", "--no-model", "--http2"]
+    done = subprocess.run(
+        [*command, "--ssl-certfile", str(junk), "--ssl-keyfile", str(junk)],
+        capture_output=True,
+        timeout=WAIT_S,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert b"cannot use the TLS certificate and key" in done.stderr
+    alone = subprocess.run(
+        [*command[:-1], "--ssl-certfile", str(junk)], capture_output=True, timeout=WAIT_S
+    )
+    assert alone.returncode == 2
+    assert b"--ssl-certfile and --ssl-keyfile are for --http2" in alone.stderr

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,13 @@ from hypercorn.typing import Framework
 from sluice.errors import ConfigError
 from sluice.transports.asgi import ASGIApp, Receive, Scope, Send
 
-__all__ = ["MAX_CONCURRENT_STREAMS", "STOP_GRACE_S", "Http2Options", "serving_http2"]
+__all__ = [
+    "MAX_CONCURRENT_STREAMS",
+    "STOP_GRACE_S",
+    "Http2Options",
+    "check_tls",
+    "serving_http2",
+]
 
 MAX_CONCURRENT_STREAMS: Final = 128
 STOP_GRACE_S: Final = 1.0
@@ -98,16 +105,32 @@ def _listening_socket(options: Http2Options) -> socket.socket:
     return sock
 
 
-@contextlib.asynccontextmanager
-async def serving_http2(app: ASGIApp, options: Http2Options) -> AsyncIterator[int]:
-    """Serve ``app`` over HTTP/2 (and HTTP/1.1) for the block; yields the bound port."""
-    sock = _listening_socket(options)  # bound here: the port is known, a clash is ours
+def _config(options: Http2Options) -> Config:
+    """Hypercorn's configuration for ``options``, TLS checked (:class:`ConfigError`)."""
     config = Config()
-    config.bind = [f"fd://{sock.fileno()}"]
     if options.tls:
         config.certfile = str(options.certfile)
         config.keyfile = str(options.keyfile)
         config.alpn_protocols = ["h2", "http/1.1"]
+        try:
+            config.create_ssl_context()  # a bad certificate or key fails here, not later
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"cannot use the TLS certificate and key: {exc}") from exc
+    return config
+
+
+def check_tls(options: Http2Options) -> None:
+    """Raise :class:`ConfigError` unless ``options``' certificate and key load."""
+    _config(options)
+
+
+@contextlib.asynccontextmanager
+async def serving_http2(app: ASGIApp, options: Http2Options) -> AsyncIterator[int]:
+    """Serve ``app`` over HTTP/2 (and HTTP/1.1) for the block; yields the bound port."""
+    config = _config(options)
+    sock = _listening_socket(options)  # bound here: the port is known, a clash is ours
+    port: int = sock.getsockname()[1]
+    config.bind = [f"fd://{sock.detach()}"]  # Hypercorn owns (and closes) the descriptor
     config.h2_max_concurrent_streams = MAX_CONCURRENT_STREAMS
     config.keep_alive_timeout = _KEEP_ALIVE_S
     config.graceful_timeout = STOP_GRACE_S
@@ -119,10 +142,7 @@ async def serving_http2(app: ASGIApp, options: Http2Options) -> AsyncIterator[in
     framework = cast(Framework, _WithoutLifespan(app))
     task = asyncio.create_task(serve(framework, config, shutdown_trigger=stop.wait))
     try:
-        yield sock.getsockname()[1]
+        yield port
     finally:
         stop.set()
-        try:
-            await task
-        finally:
-            sock.close()
+        await task
