@@ -92,7 +92,8 @@ def openai_messages(messages: tuple[ChatMessage, ...]) -> list[dict[str, Any]]:
 
 
 def hermes_tokenizer(checkpoint: Checkpoint) -> transformers.PreTrainedTokenizerBase:
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=checkpoint.tokenizer.backend)
+    backend = checkpoint.tokenizer.backend
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend)  # type: ignore[no-untyped-call]
 
 
 OPENAI_TOOL = {

@@ -122,15 +122,22 @@ def _tokenizer() -> Tokenizer:
     return tokenizer
 
 
+def _token_id(tokenizer: Tokenizer, text: str) -> int:
+    token_id = tokenizer.token_to_id(text)
+    if token_id is None:
+        raise LookupError(f"no token {text!r}")
+    return int(token_id)
+
+
 def write_tool_model(directory: Path) -> Path:
     """Write the checkpoint (see the module) into ``directory``; return it."""
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = _tokenizer()
     tokenizer.save(str(directory / "tokenizer.json"))
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    eos = tokenizer.token_to_id("<|im_end|>")
+    eos = _token_id(tokenizer, "<|im_end|>")
     (newline,) = tokenizer.encode("\n").ids
-    chain = [newline] + [tokenizer.token_to_id(p) for p in PIECES]
+    chain = [newline] + [_token_id(tokenizer, p) for p in PIECES]
     nexts = [eos] * vocab_size  # every other token ends the answer
     for current, following in zip(chain, [*chain[1:], eos], strict=True):
         nexts[current] = following
