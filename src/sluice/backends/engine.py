@@ -20,30 +20,16 @@ at this boundary:
 - ``ValueError`` (an empty or too long prompt, a bad ``max_tokens``) becomes
   :class:`~sluice.errors.BadRequestError`;
 - tool fields the engine cannot honour get an :class:`~sluice.errors.InvalidParameterError`
-  naming the field, before anything is queued (see "Tools" below);
+  naming the field, before anything is queued (:mod:`sluice.backends.engine_tools`);
 - the driver's errors (a failed step, a stopped driver) become a retryable
   :class:`~sluice.errors.BackendError`; a request the engine failed alone
   (:class:`~sluice.engine.driver.EngineRequestError`) a non-retryable one. Their messages
   are the driver's, written for clients (no exception text of the engine's).
 
 Every engine output becomes one :class:`~sluice.backends.base.Delta`; its text (if any) is
-one :class:`~sluice.events.TextDelta`.
-
-Tools. A request's ``tools`` are shown to the model when its chat template renders them
-(:attr:`~sluice.backends.chat.ChatTemplate.renders_tools`), and the model's answer is then
-read by a :class:`~sluice.backends.tool_call_parser.HermesToolCallParser`: its
-``<tool_call>`` blocks become :class:`~sluice.events.ToolCallDelta` events, and an answer
-that ended (end of sequence or a stop string) after at least one call finishes with
-``tool_calls``. Refused with a 400 naming the field:
-
-- ``tools`` (unless ``tool_choice`` is ``none``: then the model is not shown them and
-  nothing is parsed) when the template does not render tools;
-- a ``required`` or named ``tool_choice``, and a ``json_object`` or ``json_schema``
-  ``response_format``: the engine does not constrain its output, so it cannot promise them;
-- ``messages`` holding tool calls when the template does not render tools.
-
-``parallel_tool_calls: false`` is not enforced (as in vLLM): a model that writes several
-calls has them all reported. ``abort()`` aborts the engine request and returns
+one :class:`~sluice.events.TextDelta`, or, when the model was shown tools, the text and tool
+calls read in it (:mod:`sluice.backends.engine_tools` decides which tools it is shown, what
+is refused, and how the answer is read). ``abort()`` aborts the engine request and returns
 once the engine thread applied the abort (by the end of its current step), when the
 request's KV blocks are free; a generation abandoned mid-iteration (its task cancelled)
 aborts the same way. The time each abort took goes to the backend's abort observer
@@ -59,16 +45,17 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from sluice.backends.admission import RetryAfterPacer, StepCostModel, TtftPredictor
-from sluice.backends.base import Delta, GenerationRequest, Tool, ToolChoiceMode
+from sluice.backends.base import Delta, GenerationRequest
 from sluice.backends.chat import SIMPLE_TEMPLATE, ChatTemplate
+from sluice.backends.engine_tools import read_tool_calls, tools_to_show
 from sluice.backends.prompt import PromptEncoder, PromptPreparer
 from sluice.backends.tool_call_parser import HermesToolCallParser
 from sluice.engine.driver import AsyncEngine, EngineDriverError, EngineRequestError, RequestStream
 from sluice.engine.engine import Engine, RequestOutput
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import QueueFullError
-from sluice.errors import BackendError, BadRequestError, CapacityError, InvalidParameterError
-from sluice.events import FinishReason, TextDelta, ToolCallDelta, Usage
+from sluice.errors import BackendError, BadRequestError, CapacityError
+from sluice.events import FinishReason, TextDelta, Usage
 
 __all__ = ["Admission", "EngineBackend", "EngineGeneration", "PromptEncoder"]
 
@@ -155,7 +142,7 @@ class EngineGeneration:
         if self._stream is not None or self._aborted:
             return
         try:
-            tools = _tools_to_show(self._request, renders_tools=self._prompts.renders_tools)
+            tools = tools_to_show(self._request, renders_tools=self._prompts.renders_tools)
             params = _request_params(self._params, self._request, self._max_tokens)
             prompt_ids = await self._prompts.prompt_ids(
                 self._request, self._max_tokens, tools=tools
@@ -256,7 +243,7 @@ class EngineGeneration:
                     events = [TextDelta(output.new_text)] if output.new_text else []
                     yield Delta(events, reason, output.stop_sequence)
                 else:
-                    yield _parsed(self._parser, output, reason)
+                    yield read_tool_calls(self._parser, output, reason)
         except EngineDriverError as exc:
             self._finished = True  # the driver has already dropped the request
             retryable = not isinstance(exc, EngineRequestError)
@@ -297,55 +284,6 @@ class EngineGeneration:
             completion_tokens=latest.num_completion_tokens,
             cached_tokens=latest.num_cached_tokens,
         )
-
-
-def _tools_to_show(request: GenerationRequest, *, renders_tools: bool) -> tuple[Tool, ...]:
-    """The tools the model is shown (none unless the template renders them); raise
-    :class:`~sluice.errors.InvalidParameterError` naming the first field of ``request``
-    that the engine cannot honour (see the module doc)."""
-    choice = request.tool_choice
-    mode = None if choice is None else choice.mode
-    tools = request.tools if mode is not ToolChoiceMode.NONE else ()
-    if tools and not renders_tools:
-        raise InvalidParameterError(
-            "tools: this model's chat template does not render tools, so it cannot be "
-            'shown them; send no tools (or tool_choice "none"), or serve a model whose '
-            "template takes tools",
-            "tools",
-        )
-    if mode is ToolChoiceMode.REQUIRED or mode is ToolChoiceMode.FUNCTION:
-        raise InvalidParameterError(
-            f'tool_choice: "{mode}" cannot be honoured: the engine does not constrain its '
-            'output to a tool call; use "auto" or "none"',
-            "tool_choice",
-        )
-    response_format = request.response_format
-    if response_format is not None and response_format.type != "text":
-        raise InvalidParameterError(
-            f"response_format: this model cannot constrain its output to {response_format.type}",
-            "response_format",
-        )
-    if not renders_tools and any(message.tool_calls for message in request.messages or ()):
-        raise InvalidParameterError(
-            "messages: the history holds tool calls, and this model's chat template does not "
-            "render them",
-            "messages",
-        )
-    return tools
-
-
-def _parsed(
-    parser: HermesToolCallParser, output: RequestOutput, reason: FinishReason | None
-) -> Delta:
-    """An engine output read for tool calls: an answer that ended normally after one
-    ends with ``tool_calls`` (a stop string then no longer names the end)."""
-    events: list[TextDelta | ToolCallDelta] = parser.feed(output.new_text)
-    stop_sequence = output.stop_sequence
-    if output.finished:
-        events += parser.finish()
-        if reason is FinishReason.STOP and parser.num_calls:
-            reason, stop_sequence = FinishReason.TOOL_CALLS, None
-    return Delta(events, reason, stop_sequence)
 
 
 def _request_params(
