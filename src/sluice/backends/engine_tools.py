@@ -42,9 +42,8 @@ def tools_to_show(request: GenerationRequest, *, renders_tools: bool) -> tuple[T
     tools = request.tools if mode is not ToolChoiceMode.NONE else ()
     if tools and not renders_tools:
         raise InvalidParameterError(
-            "tools: this model's chat template does not render tools, so it cannot be "
-            'shown them; send no tools (or tool_choice "none"), or serve a model whose '
-            "template takes tools",
+            "tools: this model cannot call tools: its chat template does not render them; "
+            'send no tools (or tool_choice "none"), or serve a model whose template does',
             "tools",
         )
     if mode is ToolChoiceMode.REQUIRED or mode is ToolChoiceMode.FUNCTION:

@@ -18,7 +18,8 @@ Rules, numbered:
 
 1. Text outside a call is passed on as soon as it cannot be the start of ``<tool_call>``:
    a piece that ends in ``<tool`` is held until the next piece shows what follows.
-   Whitespace at the end of a piece is held too (rule 2 may drop it).
+   Whitespace at the end of a piece is held too (rule 2 may drop it). What is held is at
+   most the tag's start and a run of whitespace, bounded by the answer's length.
 2. Whitespace that only separates calls from each other or from the text is dropped (the
    line breaks around ``<tool_call>`` and ``</tool_call>``, what follows the last call), as
    vLLM's Hermes parser does; the text itself is passed on unchanged.
@@ -72,6 +73,8 @@ def new_tool_call_id() -> str:
 
 def _held_prefix_len(text: str) -> int:
     """The length of the longest end of ``text`` that is a proper start of CALL_START."""
+    if "<" not in text[1 - len(CALL_START) :]:  # the usual piece: nothing to hold
+        return 0
     for size in range(min(len(text), len(CALL_START) - 1), 0, -1):
         if CALL_START.startswith(text[-size:]):
             return size
