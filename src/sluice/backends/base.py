@@ -15,13 +15,14 @@ Tools. A chat request may carry tool definitions (:class:`Tool`), a :class:`Tool
 a :class:`ResponseFormat` and a history with the assistant's :class:`ToolCall` values and
 the ``tool`` messages that answer them. JSON the client wrote is carried as JSON text:
 a call's arguments as the text itself, a tool's parameter schema or a response schema as
-the compact text of the value it parsed to, so a proxy passes on the same values. A backend that cannot honour them (the engine,
-``words``) calls :func:`refuse_tools` when it starts, which raises a
-:class:`~sluice.errors.BadRequestError` naming the first such field (a 400): a request
-with tools is refused unless its ``tool_choice`` is ``none`` (then the model must not
+the compact text of the value it parsed to, so a proxy passes on the same values. A
+backend that cannot honour them (``words``) calls :func:`refuse_tools` when it starts,
+which raises a :class:`~sluice.errors.BadRequestError` naming the first such field (a
+400): a request with tools is refused unless its ``tool_choice`` is ``none`` (then the model must not
 call one, which such a backend honours by not seeing them); so are a ``required`` or
 named ``tool_choice``, a ``json_object`` or ``json_schema`` response format, and a history
-holding tool calls.
+holding tool calls. The engine honours tools when its model's chat template renders them,
+and checks the rest itself (:mod:`sluice.backends.engine`).
 """
 
 from __future__ import annotations

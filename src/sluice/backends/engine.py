@@ -19,13 +19,17 @@ at this boundary:
   :class:`~sluice.backends.admission.RetryAfterPacer` sets the refusal's ``Retry-After``;
 - ``ValueError`` (an empty or too long prompt, a bad ``max_tokens``) becomes
   :class:`~sluice.errors.BadRequestError`;
+- tool fields the engine cannot honour get an :class:`~sluice.errors.InvalidParameterError`
+  naming the field, before anything is queued (:mod:`sluice.backends.engine_tools`);
 - the driver's errors (a failed step, a stopped driver) become a retryable
   :class:`~sluice.errors.BackendError`; a request the engine failed alone
   (:class:`~sluice.engine.driver.EngineRequestError`) a non-retryable one. Their messages
   are the driver's, written for clients (no exception text of the engine's).
 
 Every engine output becomes one :class:`~sluice.backends.base.Delta`; its text (if any) is
-one :class:`~sluice.events.TextDelta`. ``abort()`` aborts the engine request and returns
+one :class:`~sluice.events.TextDelta`, or, when the model was shown tools, the text and tool
+calls read in it (:mod:`sluice.backends.engine_tools` decides which tools it is shown, what
+is refused, and how the answer is read). ``abort()`` aborts the engine request and returns
 once the engine thread applied the abort (by the end of its current step), when the
 request's KV blocks are free; a generation abandoned mid-iteration (its task cancelled)
 aborts the same way. The time each abort took goes to the backend's abort observer
@@ -41,9 +45,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from sluice.backends.admission import RetryAfterPacer, StepCostModel, TtftPredictor
-from sluice.backends.base import Delta, GenerationRequest, refuse_tools
+from sluice.backends.base import Delta, GenerationRequest
 from sluice.backends.chat import SIMPLE_TEMPLATE, ChatTemplate
+from sluice.backends.engine_tools import read_tool_calls, tools_to_show
 from sluice.backends.prompt import PromptEncoder, PromptPreparer
+from sluice.backends.tool_call_parser import HermesToolCallParser
 from sluice.engine.driver import AsyncEngine, EngineDriverError, EngineRequestError, RequestStream
 from sluice.engine.engine import Engine, RequestOutput
 from sluice.engine.sampling_params import SamplingParams
@@ -92,6 +98,7 @@ class EngineGeneration:
         "_num_prompt_tokens",
         "_on_abort_freed",
         "_params",
+        "_parser",
         "_prompts",
         "_request",
         "_started",
@@ -123,6 +130,7 @@ class EngineGeneration:
         self._stream: RequestStream | None = None
         self._latest: RequestOutput | None = None
         self._num_prompt_tokens = 0
+        self._parser: HermesToolCallParser | None = None  # set when the model sees tools
 
     @property
     def request_id(self) -> int | None:
@@ -134,14 +142,17 @@ class EngineGeneration:
         if self._stream is not None or self._aborted:
             return
         try:
-            refuse_tools(self._request)  # a BadRequestError naming the field
+            tools = tools_to_show(self._request, renders_tools=self._prompts.renders_tools)
             params = _request_params(self._params, self._request, self._max_tokens)
-            prompt_ids = await self._prompts.prompt_ids(self._request, self._max_tokens)
+            prompt_ids = await self._prompts.prompt_ids(
+                self._request, self._max_tokens, tools=tools
+            )
         except ValueError as exc:
             raise BadRequestError(str(exc)) from exc
         if self._abort_requested():  # abort() ran while the prompt was being made
             return
         self._num_prompt_tokens = len(prompt_ids)
+        self._parser = HermesToolCallParser() if tools else None
         self._admit()  # counts it in the predictor at once, so concurrent starts see it
         try:
             stream = await self._driver.add_request(prompt_ids, params)
@@ -228,8 +239,11 @@ class EngineGeneration:
                     self._finished = True
                     if output.finish_reason is not None:
                         reason = _FINISH_REASONS[output.finish_reason]
-                events = [TextDelta(output.new_text)] if output.new_text else []
-                yield Delta(events, reason, output.stop_sequence)
+                if self._parser is None:
+                    events = [TextDelta(output.new_text)] if output.new_text else []
+                    yield Delta(events, reason, output.stop_sequence)
+                else:
+                    yield read_tool_calls(self._parser, output, reason)
         except EngineDriverError as exc:
             self._finished = True  # the driver has already dropped the request
             retryable = not isinstance(exc, EngineRequestError)

@@ -5,7 +5,8 @@ level BPE encodes about 0.5 µs a character: a 200,000-character prompt is 90 ms
 every stream the process serves waits while the loop is held. :class:`PromptPreparer`
 makes the ids in three moves:
 
-1. the chat messages, if any, are rendered with the model's template;
+1. the chat messages, if any, are rendered with the model's template (with the tools the
+   backend shows the model, if any);
 2. a prompt that cannot fit the context is refused with no encoding at all, from a lower
    bound of its token count (:meth:`PromptEncoder.min_num_tokens`, linear in its length
    and microseconds for the largest prompt accepted);
@@ -27,7 +28,7 @@ import concurrent.futures
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
-from sluice.backends.base import ChatMessage, GenerationRequest
+from sluice.backends.base import ChatMessage, GenerationRequest, Tool
 from sluice.backends.chat import ChatTemplate
 
 __all__ = ["INLINE_MAX_CHARS", "MAX_PROMPT_WORKERS", "PromptEncoder", "PromptPreparer"]
@@ -80,12 +81,16 @@ class PromptPreparer:
             max_workers, thread_name_prefix="sluice-prompt"
         )
 
-    async def prompt_ids(self, request: GenerationRequest, max_tokens: int) -> list[int]:
-        """The token ids of ``request``'s prompt (its messages rendered, if any)."""
+    async def prompt_ids(
+        self, request: GenerationRequest, max_tokens: int, *, tools: Sequence[Tool] = ()
+    ) -> list[int]:
+        """The token ids of ``request``'s prompt (its messages rendered with ``tools``, if
+        any)."""
         prompt = request.prompt
         if request.messages is not None:
-            size = sum(len(message.content) for message in request.messages)
-            prompt = await self._run(size, self._render, request.messages)
+            size = sum(_message_chars(message) for message in request.messages)
+            size += sum(len(tool.name) + len(tool.parameters or "") for tool in tools)
+            prompt = await self._run(size, self._render, (request.messages, tools))
         min_tokens = self._encoder.min_num_tokens(prompt)
         if min_tokens + max_tokens > self._max_model_len:
             raise ValueError(
@@ -94,15 +99,27 @@ class PromptPreparer:
             )
         return await self._run(len(prompt), self._encoder.encode, prompt)
 
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template shows the model tools (see :class:`ChatTemplate`)."""
+        return self._chat.renders_tools
+
     def close(self) -> None:
         """Stop the workers once their current work is done; queued work is dropped."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _render(self, messages: Sequence[ChatMessage]) -> str:
-        return self._chat.render(messages)
+    def _render(self, chat: tuple[Sequence[ChatMessage], Sequence[Tool]]) -> str:
+        messages, tools = chat
+        return self._chat.render(messages, tools) if tools else self._chat.render(messages)
 
     async def _run(self, size: int, fn: Callable[[A], R], arg: A) -> R:
         """``fn(arg)``: inline for work of up to ``inline_max_chars``, else on a worker."""
         if size <= self._inline_max_chars:
             return fn(arg)
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, arg)
+
+
+def _message_chars(message: ChatMessage) -> int:
+    """The characters of a message's content and of the tool calls it holds."""
+    calls = sum(len(call.name) + len(call.arguments) for call in message.tool_calls)
+    return len(message.content) + calls
