@@ -37,6 +37,7 @@ from sluice.gateway.cors import CorsMiddleware, CorsPolicy
 from sluice.gateway.errors import error_response, response_for
 from sluice.gateway.hosts import HostPolicy
 from sluice.gateway.limits import check_head
+from sluice.gateway.longpoll import LongPolls
 from sluice.gateway.openapi import openapi_endpoint
 from sluice.gateway.protocol import GatewayOpener
 from sluice.gateway.routes import NativeApi
@@ -92,6 +93,7 @@ class SluiceApp:
         )
         dashboard = package_data.files("sluice.web").joinpath("dashboard.html").read_text("utf-8")
         admin = AdminApi(rollouts, self.auth, dashboard, self.metrics)
+        polls = LongPolls(self.hub, self.metrics, self.auth)
         self._framework = Starlette(
             routes=[
                 Route("/", api.page, methods=["GET"]),
@@ -105,6 +107,7 @@ class SluiceApp:
                 Route("/v1/streams/{stream_id}", api.get_stream, methods=["GET"]),
                 Route("/v1/streams/{stream_id}/cancel", api.cancel_stream, methods=["POST"]),
                 Route("/v1/streams/{stream_id}/drop", api.drop_connections, methods=["POST"]),
+                Route("/v1/streams/{stream_id}/poll", polls.poll, methods=["GET"]),
                 *compat.routes(),
                 Route("/dashboard", admin.dashboard, methods=["GET"]),
                 Route("/v1/admin/rollouts", admin.rollouts, methods=["GET"]),
