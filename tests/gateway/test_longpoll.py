@@ -213,16 +213,15 @@ def test_a_poll_from_a_position_the_log_dropped_is_410_resume_gap(small: ServerP
 
 
 @pytest.fixture(scope="module")
-def keyed(monkeypatch_module: pytest.MonkeyPatch) -> Iterator[ServerProcess]:
-    monkeypatch_module.setenv("SLUICE_API_KEYS", "a:key-of-tenant-a-0123456789")
-    with ServerProcess("--no-model") as proc:
+def keyed() -> Iterator[ServerProcess]:
+    proc = ServerProcess("--no-model")
+    with pytest.MonkeyPatch.context() as patch:  # the keys reach this server only
+        patch.setenv("SLUICE_API_KEYS", "a:key-of-tenant-a-0123456789")
+        proc.start()
+    try:
         yield proc.wait_ready()
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
+    finally:
+        proc.close()
 
 
 def test_a_poll_needs_the_streams_key_or_its_resume_token(keyed: ServerProcess) -> None:

@@ -43,6 +43,7 @@ from sluice.gateway.protocol import GatewayOpener
 from sluice.gateway.routes import NativeApi
 from sluice.gateway.settings import Settings
 from sluice.gateway.streaming import EventStreams
+from sluice.gateway.websocket import WebSockets
 from sluice.runtime import Resource, Runtime
 from sluice.transports.asgi import Receive, Scope, Send
 
@@ -81,6 +82,10 @@ class SluiceApp:
             cors=self.cors,
             hosts=self.hosts,
             frames=self.frames,
+        )
+        # GET /v1/ws: the native API over WebSockets (sluice.gateway.websocket).
+        self.websockets = WebSockets(
+            self.hub, settings, self.metrics, self.auth, cors=self.cors, hosts=self.hosts
         )
         page = package_data.files("sluice.web").joinpath("index.html").read_text("utf-8")
         api = NativeApi(self.hub, settings, page, self.metrics, self.auth)
@@ -142,6 +147,9 @@ class SluiceApp:
                     response = error_response(405, "method_not_allowed", "use GET", headers=allow)
                     await CorsMiddleware(response, self.cors)(scope, receive, send)
                 return
+        elif scope["type"] == "websocket":
+            await self.websockets(scope, receive, send)
+            return
         await self._framework(scope, receive, send)
 
 
