@@ -225,7 +225,7 @@ def test_refused_messages_get_an_error_frame_and_the_socket_stays_open(
         assert receive(ws)["code"] == "bad_event_id"
 
 
-def test_a_message_over_the_size_limit_closes_the_socket_with_1009(
+def test_a_message_over_the_size_limit_closes_the_socket(
     server: ServerProcess,
 ) -> None:
     def send_too_much() -> None:
@@ -235,8 +235,14 @@ def test_a_message_over_the_size_limit_closes_the_socket_with_1009(
 
     with pytest.raises(ConnectionClosed) as closed:
         send_too_much()
-    assert closed.value.rcvd is not None
-    assert closed.value.rcvd.code == 1009
+    # The server refuses the message from its frame header and closes with 1009 while the
+    # client is still sending the rest: the reset of those unread bytes may overtake the
+    # close frame (then the client sees the connection lost, with no code).
+    received = closed.value.rcvd
+    assert received is None or received.code == 1009, received
+    with open_ws(server) as ws:  # the server is fine
+        stream = create(ws, interval_ms=0)
+        assert collect(ws, stream["id"])[-1]["event"] == "done"
 
 
 def test_an_idle_socket_outlives_the_http_head_and_body_deadlines(server: ServerProcess) -> None:

@@ -17,8 +17,9 @@ Backpressure and the slow-client policy, as on SSE:
   time, when the sender has drained the queue to
   :attr:`~WebSocketLimits.resume_queued_messages`. The queue so holds at most the bound
   plus one delivery batch per subscription.
-- The receiver reads the next client message only while the queue is below its bound: a
-  client that sends without reading fills its own TCP window, not the server's memory.
+- The receiver answers a client message only while the queue is below its bound, and reads
+  the next one only after: a client that sends without reading fills its own TCP window,
+  not the server's memory.
 - A subscription paused for the send timeout ends unclean, its reader leaves (so a
   non-resumable stream without readers is cancelled at once, a resumable one gets its
   grace window) and the socket is closed: ``1013`` (try again later; the client resumes
@@ -92,7 +93,9 @@ class WebSocketSession:
         self._paused = False  # the queue is full: every subscription is paused
         self._turn = 0  # which subscription resumes first next time
         self._has_messages = asyncio.Event()
-        self._room = asyncio.Event()  # the queue is below its bound
+        # The queue has room: cleared at its bound, set again once drained to the resume
+        # mark (with the subscriptions).
+        self._room = asyncio.Event()
         self._room.set()
         self._ended = asyncio.Event()
         self._close_code: int | None = None  # the close the server sends, if any
@@ -222,19 +225,18 @@ class WebSocketSession:
                 await self._has_messages.wait()
                 continue
             message = queue.popleft()
-            if len(queue) < limits.max_queued_messages:
-                self._room.set()
             try:
                 await send({"type": "websocket.send", "text": message.decode()})
             except OSError:  # the client is gone (uvicorn's ClientDisconnected)
                 self._ended.set()
                 return
-            if self._paused and len(queue) <= limits.resume_queued_messages:
-                self._resume()
+            if len(queue) <= limits.resume_queued_messages:
+                self._room.set()
+                if self._paused:
+                    self._resume()
 
     async def _receive_loop(self, receive: Receive, handle: MessageHandler) -> None:
         while True:
-            await self._room.wait()
             message = await receive()
             kind = message["type"]
             if kind == "websocket.disconnect":
@@ -242,6 +244,10 @@ class WebSocketSession:
                 return
             if kind != "websocket.receive":
                 continue
+            # Answered only once the queue has room: until then this message is held and
+            # the server reads no further (uvicorn stops reading a socket whose app has a
+            # message waiting), so the client's sending fills its own window.
+            await self._room.wait()
             text = message.get("text")
             if text is None:
                 self.send_message(
