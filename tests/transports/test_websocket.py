@@ -273,6 +273,19 @@ def test_another_path_is_refused_with_404(server: ServerProcess) -> None:
     assert refused.value.response.status_code == 404
 
 
+def test_a_malformed_handshake_gets_400_and_the_connection_closes(server: ServerProcess) -> None:
+    """``Upgrade: websocket`` without the handshake's key: refused, and what was pipelined
+    behind it is not left waiting."""
+    head = "GET /v1/ws HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall((head + "\r\n" + "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").encode())
+        received = b""
+        while chunk := sock.recv(65536):  # until the server closes
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 400 ")
+    assert received.count(b"HTTP/1.1 ") == 1
+
+
 @pytest.fixture(scope="module")
 def keyed() -> Iterator[ServerProcess]:
     proc = ServerProcess("--no-model")

@@ -109,9 +109,12 @@ class WebSockets:
             await _refuse(scope, send, caller)
             return
         await send({"type": "websocket.accept"})
-        socket = _Socket(self, scope, caller)
+
+        async def handle(session: WebSocketSession, text: str) -> None:
+            await self._handle(session, text, scope, caller)
+
         session = WebSocketSession(send, self._settings.delivery, self.limits)
-        await session.serve(receive, socket.handle)
+        await session.serve(receive, handle)
 
     def _handshake(self, scope: Scope) -> Caller | Response:
         """The socket's caller, or the answer that refuses it; raises the errors of the
@@ -128,83 +131,57 @@ class WebSockets:
         headers = scope["headers"]
         return self._auth.caller(headers, presented_token(headers, tokens[-1] if tokens else None))
 
-
-async def _refuse(scope: Scope, send: Send, response: Response) -> None:
-    """Answer a handshake with ``response`` (an HTTP status and its JSON body) where the
-    server can (ASGI's WebSocket Denial Response), else with a bare ``403``."""
-    if "websocket.http.response" not in scope.get("extensions", {}):
-        await send({"type": "websocket.close", "code": 1008})
-        return
-    await send(
-        {
-            "type": "websocket.http.response.start",
-            "status": response.status_code,
-            "headers": response.raw_headers,
-        }
-    )
-    await send({"type": "websocket.http.response.body", "body": bytes(response.body)})
-
-
-class _Socket:
-    """One accepted socket's caller and the answers to its messages."""
-
-    __slots__ = ("_api", "_caller", "_scope")
-
-    def __init__(self, api: WebSockets, scope: Scope, caller: Caller) -> None:
-        self._api = api
-        self._scope = scope
-        self._caller = caller
-
-    async def handle(self, session: WebSocketSession, text: str) -> None:
+    async def _handle(
+        self, session: WebSocketSession, text: str, scope: Scope, caller: Caller
+    ) -> None:
+        """Answer one client message on ``session``."""
         stream_id: str | None = None
         try:
             message = parse_client_message(text)
             if isinstance(message, Create):
-                await self._create(session, message)
+                await self._create(session, message, scope)
                 return
             stream_id = message.stream_id[:80]
             if isinstance(message, Cancel):
-                self._api._hub.cancel(self._stream(message.stream_id).id)
+                self._hub.cancel(self._stream(message.stream_id, caller).id)
                 return
-            self._subscribe(session, message.stream_id, message.last_event_id)
+            self._subscribe(session, message.stream_id, message.last_event_id, caller)
         except SluiceError as exc:
             answer = answer_for(exc)
             session.send_message(error_message(answer.code, answer.message, stream_id))
 
-    def _stream(self, stream_id: str) -> Stream:
+    def _stream(self, stream_id: str, caller: Caller) -> Stream:
         if not is_stream_id(stream_id):
             raise BadEventIdError(f"malformed stream id {stream_id[:80]!r}")
-        api = self._api
-        return api._auth.find(api._hub.get, stream_id, self._caller)
+        return self._auth.find(self._hub.get, stream_id, caller)
 
     def _check_room(self, session: WebSocketSession) -> None:
-        limit = self._api.limits.max_streams
+        limit = self.limits.max_streams
         if session.num_streams >= limit:
             raise BadRequestError(f"this socket reads {limit} streams, its maximum")
 
-    async def _create(self, session: WebSocketSession, message: Create) -> None:
-        api = self._api
-        hub = api._hub
+    async def _create(self, session: WebSocketSession, message: Create, scope: Scope) -> None:
+        hub = self._hub
         try:
             self._check_room(session)
-            tenant = api._auth.creator(self._scope["headers"])
-            body = parse_create_stream(message.request, api._settings)
+            tenant = self._auth.creator(scope["headers"])
+            body = parse_create_stream(message.request, self._settings)
             stream = await hub.create(
-                body.model or api._settings.requests.default_model,
-                received(generation_request(body), self._scope, tenant),
+                body.model or self._settings.requests.default_model,
+                received(generation_request(body), scope, tenant),
                 resumable=body.resumable,
                 grace_s=body.grace_s,
                 tenant=tenant,
             )
             first = await hub.first_event(stream.id)
         except SluiceError as exc:
-            api._metrics.refused_before_start(exc)
+            self._metrics.refused_before_start(exc)
             raise
         if isinstance(first, Error):  # the backend refused it before it started
-            api._metrics.refusals.labels(first.type).inc()
+            self._metrics.refusals.labels(first.type).inc()
             session.send_message(error_message(first.type, first.message))
             return
-        token = api._auth.tokens.mint(stream.id)
+        token = self._auth.tokens.mint(stream.id)
         base = f"/v1/streams/{stream.id}"
         described = {
             **stream.describe(),
@@ -213,12 +190,16 @@ class _Socket:
             "resume_token": token,
         }
         session.send_message(created_message(described))
-        reader = open_reader_at(hub, api._metrics, stream, 0)
+        reader = open_reader_at(hub, self._metrics, stream, 0)
         if reader is not None:
             session.subscribe(reader, resumable=stream.resumable)
 
     def _subscribe(
-        self, session: WebSocketSession, stream_id: str, last_event_id: str | None
+        self,
+        session: WebSocketSession,
+        stream_id: str,
+        last_event_id: str | None,
+        caller: Caller,
     ) -> None:
         if session.is_subscribed(stream_id):
             raise BadRequestError(f"this socket already reads stream {stream_id}")
@@ -234,14 +215,29 @@ class _Socket:
                 raise BadEventIdError(
                     f"last_event_id belongs to stream {position_stream}, not {stream_id}"
                 )
-        stream = self._stream(stream_id)
-        api = self._api
+        stream = self._stream(stream_id, caller)
         if last_event_id is not None:
-            api._metrics.resumes.inc()
-        reader = open_reader_at(api._hub, api._metrics, stream, after_seq)
+            self._metrics.resumes.inc()
+        reader = open_reader_at(self._hub, self._metrics, stream, after_seq)
         if reader is None:
             at = last_event_id or f"{stream_id}:0"
             message = f"nothing after {at}: the stream has ended"
             session.send_message(error_message("stream_ended", message, stream_id))
             return
         session.subscribe(reader, resumable=stream.resumable)
+
+
+async def _refuse(scope: Scope, send: Send, response: Response) -> None:
+    """Answer a handshake with ``response`` (an HTTP status and its JSON body) where the
+    server can (ASGI's WebSocket Denial Response), else with a bare ``403``."""
+    if "websocket.http.response" not in scope.get("extensions", {}):
+        await send({"type": "websocket.close", "code": 1008})
+        return
+    await send(
+        {
+            "type": "websocket.http.response.start",
+            "status": response.status_code,
+            "headers": response.raw_headers,
+        }
+    )
+    await send({"type": "websocket.http.response.body", "body": bytes(response.body)})
