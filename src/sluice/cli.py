@@ -882,7 +882,13 @@ def serve(args: argparse.Namespace) -> int:
         port=args.port,
         loop="uvloop",
         http=protocol_class(app.opener, native=args.native_sse),
-        ws="none",
+        # GET /v1/ws (sluice.gateway.websocket): pings keep idle sockets alive; a peer
+        # that does not answer one within the send timeout is gone.
+        ws="websockets-sansio",
+        ws_max_size=app.websockets.limits.max_message_bytes,
+        ws_ping_interval=settings.delivery.heartbeat_interval_s,
+        ws_ping_timeout=settings.delivery.send_timeout_s,
+        ws_per_message_deflate=False,
         lifespan="on",
         log_config=log_config,
         log_level=args.log_level,

@@ -105,6 +105,7 @@ def test_openapi_describes_every_route_without_a_key(fuzzed_server: ServerProces
         "/v1/streams/{stream_id}/events",
         "/v1/streams/{stream_id}/cancel",
         "/v1/streams/{stream_id}/drop",
+        "/v1/streams/{stream_id}/poll",
         "/v1/demo/words",
         "/v1/models",
         "/v1/models/{model_id}",

@@ -38,11 +38,13 @@ from sluice.gateway.cors import CorsMiddleware, CorsPolicy
 from sluice.gateway.errors import error_response, response_for
 from sluice.gateway.hosts import HostPolicy
 from sluice.gateway.limits import check_head
+from sluice.gateway.longpoll import LongPolls
 from sluice.gateway.openapi import openapi_endpoint
 from sluice.gateway.protocol import GatewayOpener
 from sluice.gateway.routes import NativeApi
 from sluice.gateway.settings import Settings
 from sluice.gateway.streaming import EventStreams
+from sluice.gateway.websocket import WebSockets
 from sluice.runtime import Resource, Runtime
 from sluice.transports.asgi import Receive, Scope, Send
 from sluice.transports.http2 import serving_http2
@@ -86,6 +88,10 @@ class SluiceApp:
             hosts=self.hosts,
             frames=self.frames,
         )
+        # GET /v1/ws: the native API over WebSockets (sluice.gateway.websocket).
+        self.websockets = WebSockets(
+            self.hub, settings, self.metrics, self.auth, cors=self.cors, hosts=self.hosts
+        )
         page = package_data.files("sluice.web").joinpath("index.html").read_text("utf-8")
         api = NativeApi(self.hub, settings, page, self.metrics, self.auth)
         compat = CompatAPI(
@@ -97,6 +103,7 @@ class SluiceApp:
         )
         dashboard = package_data.files("sluice.web").joinpath("dashboard.html").read_text("utf-8")
         admin = AdminApi(rollouts, self.auth, dashboard, self.metrics)
+        polls = LongPolls(self.hub, self.metrics, self.auth)
         self._framework = Starlette(
             routes=[
                 Route("/", api.page, methods=["GET"]),
@@ -110,6 +117,7 @@ class SluiceApp:
                 Route("/v1/streams/{stream_id}", api.get_stream, methods=["GET"]),
                 Route("/v1/streams/{stream_id}/cancel", api.cancel_stream, methods=["POST"]),
                 Route("/v1/streams/{stream_id}/drop", api.drop_connections, methods=["POST"]),
+                Route("/v1/streams/{stream_id}/poll", polls.poll, methods=["GET"]),
                 *compat.routes(),
                 Route("/dashboard", admin.dashboard, methods=["GET"]),
                 Route("/v1/admin/rollouts", admin.rollouts, methods=["GET"]),
@@ -158,6 +166,9 @@ class SluiceApp:
                     response = error_response(405, "method_not_allowed", "use GET", headers=allow)
                     await CorsMiddleware(response, self.cors)(scope, receive, send)
                 return
+        elif scope["type"] == "websocket":
+            await self.websockets(scope, receive, send)
+            return
         await self._framework(scope, receive, send)
 
 

@@ -86,6 +86,11 @@ class CorsPolicy:
     def _allowed(self, origin: bytes) -> bool:
         return self.any_origin or origin.decode("latin-1").lower() in self.origins
 
+    def allows(self, origin: bytes) -> bool:
+        """Whether pages of ``origin`` (an ``Origin`` value) may call the server, beside
+        its own origin (a WebSocket handshake checks it: browsers send no preflight)."""
+        return self._allowed(origin)
+
     def response_headers(self, headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
         """The CORS headers of an answer to a request with these (ASGI) headers."""
         if self.any_origin:

@@ -27,6 +27,7 @@ from sluice.gateway.requests import CreateStreamBody
 from sluice.gateway.settings import Settings
 from sluice.streams.ids import MAX_EVENT_ID_CHARS
 from sluice.streams.state import StreamState
+from sluice.transports.longpoll import DEFAULT_POLL_TIMEOUT_S, MAX_POLL_EVENTS, MAX_POLL_TIMEOUT_S
 
 __all__ = ["openapi_document", "openapi_endpoint"]
 
@@ -151,6 +152,10 @@ _STREAM_ID_PATTERN = "str_[0-9A-Za-z]{22}"
 _EVENT_ID_PATTERN = rf"^({_STREAM_ID_PATTERN}:(0|[1-9][0-9]{{0,17}})(\.[1-9][0-9]{{0,3}})?)?$"
 
 
+# A long-poll cursor: an event id, never a frame id.
+_CURSOR = rf"^{_STREAM_ID_PATTERN}:(0|[1-9][0-9]{{0,17}})$"
+
+
 def _stream_parameters() -> list[JSON]:
     """The stream a request names, and the resume token that may stand in for a key."""
     token = "the stream's resume token"
@@ -259,6 +264,33 @@ def _native_paths(settings: Settings) -> dict[str, JSON]:
                 {**_ok("dropped", _ref("Dropped")), **_errors("Error", head)},
                 security=_security(stream=True),
                 parameters=on_stream,
+            )
+        },
+        "/v1/streams/{stream_id}/poll": {
+            "get": _operation(
+                "pollStream",
+                "Long-poll a stream's events after a cursor (JSON batches)",
+                {
+                    **_ok("the events after the cursor (none: timed out)", _ref("PollAnswer")),
+                    "204": {"description": "the stream is over: nothing after the cursor"},
+                    **_errors("Error", sse_head),
+                },
+                security=_security(stream=True),
+                parameters=[
+                    *on_stream,
+                    _param(
+                        "query",
+                        "after",
+                        {"type": "string", "maxLength": MAX_EVENT_ID_CHARS, "pattern": _CURSOR},
+                        "the cursor `<stream_id>:<n>`: events after event n (default: all)",
+                    ),
+                    _param(
+                        "query",
+                        "timeout_s",
+                        {"type": "number", "minimum": 0, "maximum": MAX_POLL_TIMEOUT_S},
+                        f"how long to hold when nothing is there (default {DEFAULT_POLL_TIMEOUT_S:g})",
+                    ),
+                ],
             )
         },
         "/v1/demo/words": {
@@ -456,6 +488,29 @@ def _response_schemas() -> dict[str, JSON]:
         },
         "Stream": stream,
         "CreatedStream": created,
+        "PollAnswer": {
+            "type": "object",
+            "required": ["events", "next", "done"],
+            "properties": {
+                "events": {
+                    "type": "array",
+                    "maxItems": MAX_POLL_EVENTS,
+                    "items": {
+                        "type": "object",
+                        "required": ["id", "event", "data"],
+                        "properties": {
+                            "id": {"type": "string"},
+                            "event": {
+                                "enum": ["start", "token", "tool_call", "usage", "done", "error"]
+                            },
+                            "data": {"type": "object"},
+                        },
+                    },
+                },
+                "next": {"type": "string", "description": "the cursor of the next poll"},
+                "done": {"type": "boolean", "description": "the terminal event was given"},
+            },
+        },
         "Dropped": {
             "type": "object",
             "required": ["id", "dropped"],

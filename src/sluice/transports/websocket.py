@@ -1,0 +1,257 @@
+"""One WebSocket's streams over ASGI: a thin shell around the delivery core.
+
+Each subscription of a socket is a delivery core (:class:`~sluice.transports.delivery.Delivery`)
+driven by callbacks, exactly as the native SSE path drives it
+(:class:`~sluice.transports.sse.CallbackSSE`: the log wakes it, one timer serves its send
+timeout), with its messages (:class:`~sluice.transports.websocket_protocol.WebSocketFrames`)
+written into the socket's one bounded send queue. Two tasks per socket, in one task group:
+the sender moves the queue to the socket (ASGI ``websocket.send``, one text frame per
+message); the receiver reads the client's messages and hands each to the gateway's
+handler, one at a time.
+
+Backpressure and the slow-client policy, as on SSE:
+
+- When the queue holds :attr:`~WebSocketLimits.max_queued_messages`, every subscription
+  of the socket is paused (its core stops reading the log and, when it resumes, coalesces
+  the tokens it missed into one message); they resume, in turn from a different one each
+  time, when the sender has drained the queue to
+  :attr:`~WebSocketLimits.resume_queued_messages`. The queue so holds at most the bound
+  plus one delivery batch per subscription.
+- The receiver answers a client message only while the queue is below its bound, and reads
+  the next one only after: a client that sends without reading fills its own TCP window,
+  not the server's memory.
+- A subscription paused for the send timeout ends unclean, its reader leaves (so a
+  non-resumable stream without readers is cancelled at once, a resumable one gets its
+  grace window) and the socket is closed: ``1013`` (try again later; the client resumes
+  from its last id on a new socket), or ``1008`` when a stream it read was not resumable.
+  A close frame that cannot go out within :attr:`~WebSocketLimits.close_timeout_s` is
+  given up on: the handler returns and the server closes the connection.
+- The core's heartbeats are not sent: the server's WebSocket pings keep the socket alive.
+
+When the socket closes, every subscription detaches (as when an SSE client leaves): the
+same grace and cancel rules apply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from sluice.streams.reader import Reader
+from sluice.transports.asgi import Receive, Send
+from sluice.transports.delivery import Delivery, DeliveryOptions
+from sluice.transports.sse import CallbackSSE
+from sluice.transports.websocket_protocol import (
+    CLOSE_NOT_RESUMABLE,
+    CLOSE_TRY_AGAIN,
+    WebSocketFrames,
+    WebSocketLimits,
+    error_message,
+    split_messages,
+)
+
+__all__ = ["MessageHandler", "WebSocketSession"]
+
+MessageHandler = Callable[["WebSocketSession", str], Awaitable[None]]
+"""What the gateway does with one client text message (it answers through the session)."""
+
+_COMMENT = b":"  # the core's heartbeat is an SSE comment line: not sent here
+
+
+@dataclass(slots=True)
+class _Subscription:
+    shell: CallbackSSE
+    resumable: bool
+
+
+class WebSocketSession:
+    """One accepted WebSocket: its subscriptions, send queue and two tasks."""
+
+    __slots__ = (
+        "_close_code",
+        "_ended",
+        "_has_messages",
+        "_limits",
+        "_options",
+        "_paused",
+        "_queue",
+        "_room",
+        "_send",
+        "_subscriptions",
+        "_turn",
+    )
+
+    def __init__(self, send: Send, options: DeliveryOptions, limits: WebSocketLimits) -> None:
+        self._send = send
+        self._options = options
+        self._limits = limits
+        self._queue: deque[bytes] = deque()
+        self._subscriptions: dict[str, _Subscription] = {}
+        self._paused = False  # the queue is full: every subscription is paused
+        self._turn = 0  # which subscription resumes first next time
+        self._has_messages = asyncio.Event()
+        # The queue has room: cleared at its bound, set again once drained to the resume
+        # mark (with the subscriptions).
+        self._room = asyncio.Event()
+        self._room.set()
+        self._ended = asyncio.Event()
+        self._close_code: int | None = None  # the close the server sends, if any
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._subscriptions)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    def is_subscribed(self, stream_id: str) -> bool:
+        return stream_id in self._subscriptions
+
+    # ------------------------------------------------------------------ what the gateway calls
+
+    def send_message(self, message: bytes) -> None:
+        """Queue one message of :mod:`~sluice.transports.websocket_protocol` (an answer to
+        a client message: the receiver waits for room before reading the next one)."""
+        self._enqueue(split_messages(message))
+
+    def subscribe(self, reader: Reader, *, resumable: bool) -> None:
+        """Deliver ``reader``'s records to this socket until the stream's end, a send
+        timeout or the socket's close."""
+        stream_id = reader.stream_id
+        if stream_id in self._subscriptions:
+            raise RuntimeError(f"already subscribed to {stream_id}")
+        core = Delivery(reader, WebSocketFrames(stream_id), self._options)
+
+        def finish(clean: bool) -> None:
+            self._finished(stream_id, clean)
+
+        shell = CallbackSSE(core, write=self._write, finish=finish)
+        self._subscriptions[stream_id] = _Subscription(shell, resumable)
+        if self._paused:
+            shell.pause_writing()
+        shell.start()
+
+    async def serve(self, receive: Receive, handle: MessageHandler) -> None:
+        """Run the socket until the client leaves or the server closes it."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                sender = group.create_task(self._send_loop())
+                receiver = group.create_task(self._receive_loop(receive, handle))
+                await self._ended.wait()
+                sender.cancel()
+                receiver.cancel()
+        finally:
+            for subscription in list(self._subscriptions.values()):
+                subscription.shell.connection_lost()  # the reader leaves: grace or cancel
+            self._subscriptions.clear()
+            self._queue.clear()
+        code = self._close_code
+        if code is not None:
+            # A stuck socket may not take even the close frame: then the handler returns
+            # and the server closes the connection.
+            with contextlib.suppress(TimeoutError, OSError):
+                async with asyncio.timeout(self._limits.close_timeout_s):
+                    await self._send({"type": "websocket.close", "code": code})
+
+    # ------------------------------------------------------------------ the subscriptions' side
+
+    def _write(self, body: bytes) -> None:
+        self._enqueue([m for m in split_messages(body) if not m.startswith(_COMMENT)])
+
+    def _enqueue(self, messages: list[bytes]) -> None:
+        if not messages or self._ended.is_set():
+            return
+        queue = self._queue
+        queue.extend(messages)
+        self._has_messages.set()
+        if len(queue) >= self._limits.max_queued_messages:
+            self._room.clear()
+            self._paused = True
+            for subscription in list(self._subscriptions.values()):
+                shell = subscription.shell
+                if not shell.core.paused and not shell.closed:
+                    shell.pause_writing()
+
+    def _finished(self, stream_id: str, clean: bool) -> None:
+        subscription = self._subscriptions.pop(stream_id, None)
+        if subscription is None:
+            return
+        if clean:
+            if not subscription.shell.core.reader.done:
+                # Ended by the server (a drop, a shutdown) before the stream's end.
+                self.send_message(
+                    error_message(
+                        "interrupted",
+                        "the server ended this subscription before the stream's end: "
+                        "subscribe again from the last id received",
+                        stream_id,
+                    )
+                )
+            return
+        # The send timeout: the socket is stuck. Its reader has left already.
+        code = CLOSE_TRY_AGAIN if subscription.resumable else CLOSE_NOT_RESUMABLE
+        if self._close_code != CLOSE_NOT_RESUMABLE:
+            self._close_code = code
+        self._ended.set()
+
+    def _resume(self) -> None:
+        """The queue drained: resume the subscriptions, a different one first each time,
+        until the queue fills again."""
+        self._paused = False
+        subscriptions = list(self._subscriptions.values())
+        if not subscriptions:
+            return
+        start = self._turn % len(subscriptions)
+        self._turn += 1
+        for subscription in subscriptions[start:] + subscriptions[:start]:
+            if self._paused:
+                return
+            if not subscription.shell.closed:
+                subscription.shell.resume_writing()
+
+    # ------------------------------------------------------------------ the tasks
+
+    async def _send_loop(self) -> None:
+        queue = self._queue
+        limits = self._limits
+        send = self._send
+        while True:
+            if not queue:
+                self._has_messages.clear()
+                await self._has_messages.wait()
+                continue
+            message = queue.popleft()
+            try:
+                await send({"type": "websocket.send", "text": message.decode()})
+            except OSError:  # the client is gone (uvicorn's ClientDisconnected)
+                self._ended.set()
+                return
+            if len(queue) <= limits.resume_queued_messages:
+                self._room.set()
+                if self._paused:
+                    self._resume()
+
+    async def _receive_loop(self, receive: Receive, handle: MessageHandler) -> None:
+        while True:
+            message = await receive()
+            kind = message["type"]
+            if kind == "websocket.disconnect":
+                self._ended.set()
+                return
+            if kind != "websocket.receive":
+                continue
+            # Answered only once the queue has room: until then this message is held and
+            # the server reads no further (uvicorn stops reading a socket whose app has a
+            # message waiting), so the client's sending fills its own window.
+            await self._room.wait()
+            text = message.get("text")
+            if text is None:
+                self.send_message(
+                    error_message("invalid_request", "binary messages are refused: send JSON text")
+                )
+                continue
+            await handle(self, text)
