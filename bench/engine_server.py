@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import sluice.cli
 from sluice.backends.base import Backend, Delta, GenerationRequest
+from sluice.backends.words import WordsBackend
 from sluice.events import FinishReason, TextDelta, Usage
 from sluice.gateway.app import SluiceApp, create_app
 from sluice.gateway.auth import Auth
@@ -125,8 +126,13 @@ def create_step_app(
     rollouts: Rollouts | None = None,
 ) -> SluiceApp:
     """``create_app`` with the ``words`` model served by :class:`StepBackend` (run with
-    ``--no-model``: other backends are served beside it)."""
-    served: dict[str, Backend] = {**(backends or {}), "words": StepBackend("words")}
+    ``--no-model``: other backends are served beside it), and the real ``words`` backend
+    as ``idle`` (paced by ``interval_ms``: streams that wait, for memory figures)."""
+    served: dict[str, Backend] = {
+        **(backends or {}),
+        "words": StepBackend("words"),
+        "idle": WordsBackend("idle"),
+    }
     return create_app(settings, served, resources, auth, rollouts)
 
 
