@@ -12,8 +12,8 @@ transport      client and request
 sse-h1         httpx (HTTP/1.1): ``POST /v1/streams``, then ``GET events_url`` read by a
                raw asyncio protocol with httptools' parser
 sse-h2         httpx (HTTP/2, h2c, one connection per 100 streams): the same requests
-websocket      ``websockets``: ``GET /v1/ws``, ``create`` then ``subscribe``, one socket
-               per stream
+websocket      ``websockets``: ``GET /v1/ws``, ``create`` (the socket then reads the
+               stream), one socket per stream
 long-poll      httpx: ``POST /v1/streams``, then ``GET .../poll?after=<cursor>`` in a loop
 grpc           ``grpc.aio`` (one channel per 100 streams): ``Generate``
 =============  ==========================================================================
@@ -276,11 +276,7 @@ async def websocket_streams(base: str, n: int, k: int, level: Level, warm_ns: in
                 async for raw in socket:
                     message = orjson.loads(raw)
                     kind = message.get("type")
-                    if kind == "created":
-                        stream_id = message["stream"]["id"]
-                        subscribe = {"type": "subscribe", "stream_id": stream_id}
-                        await socket.send(orjson.dumps(subscribe).decode())
-                    elif kind == "event":
+                    if kind == "event":  # the socket reads what it created
                         if message["event"] == "token":
                             counter.text(message["data"]["text"])
                         elif message["event"] in ("done", "error"):
@@ -417,10 +413,7 @@ async def resume_once(transport: str, ports: Ports) -> float:
             count = 0
             async for raw in socket:
                 message = orjson.loads(raw)
-                if message["type"] == "created":
-                    sub = {"type": "subscribe", "stream_id": message["stream"]["id"]}
-                    await socket.send(orjson.dumps(sub).decode())
-                elif message["type"] == "event":
+                if message["type"] == "event":
                     last = message["id"]
                     count += message["event"] == "token"
                     if count == 3:
@@ -498,10 +491,7 @@ async def hold_idle(transport: str, ports: Ports, n: int, pid: int) -> float:
             await socket.send(orjson.dumps({"type": "create", "request": body}).decode())
             async for raw in socket:
                 message = orjson.loads(raw)
-                if message["type"] == "created":
-                    sub = {"type": "subscribe", "stream_id": message["stream"]["id"]}
-                    await socket.send(orjson.dumps(sub).decode())
-                elif message["type"] == "event":
+                if message["type"] == "event":
                     one_open()
                     await done.wait()
                     return
