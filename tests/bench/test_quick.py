@@ -94,3 +94,12 @@ def test_saturation_quick_run_serves_or_refuses_every_request_with_admission_on_
 def test_probe_quick_run_finds_no_attack_that_succeeds() -> None:
     output = run_quick("probe")
     assert "| attack | outcome | figure | verdict |" in output
+
+
+def test_transports_quick_run_delivers_every_token_on_every_transport() -> None:
+    output = run_quick("transports")
+    header = table_row(output, "| metric |")
+    assert header[1:] == ["sse-h1", "sse-h2", "websocket", "long-poll", "grpc"]
+    # Exit 0 already means no token lost or doubled; the row says so for each transport.
+    lost = table_row(output, "| tokens lost, doubled or failed streams (all levels) |")
+    assert lost[1:] == ["0"] * 5, lost
