@@ -10,15 +10,11 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from sluice.dialects.registry import api_dialect
 from sluice.errors import BadEventIdError, SluiceError
-from sluice.events import Error
 from sluice.gateway.auth import TOKEN_PARAM, Auth, Caller, presented_token
+from sluice.gateway.creation import create_native_stream
 from sluice.gateway.errors import refusal_response, response_for
 from sluice.gateway.requests import (
-    generation_request,
-    parse_create_stream,
     read_json_body,
-    received,
-    version_headers,
 )
 from sluice.gateway.settings import Settings
 from sluice.observability.metrics import Metrics
@@ -56,27 +52,24 @@ class NativeApi:
         return self._auth.find(self._hub.get, stream_id, caller)
 
     async def create_stream(self, request: Request) -> Response:
+        scope = request.scope
         try:
-            tenant = self._auth.creator(request.scope["headers"])
+            tenant = self._auth.creator(scope["headers"])  # 401 before the body is read
             payload = await read_json_body(
-                request.scope, request.receive, self._settings.http.max_body_bytes
+                scope, request.receive, self._settings.http.max_body_bytes
             )
-            body = parse_create_stream(payload, self._settings)
-            stream = await self._hub.create(
-                body.model or self._settings.requests.default_model,
-                received(generation_request(body), request.scope, tenant),
-                resumable=body.resumable,
-                grace_s=body.grace_s,
-                tenant=tenant,
-            )
-            versioned = version_headers(stream.generation)  # before it may end
-            first = await self._hub.first_event(stream.id)
         except SluiceError as exc:
             self._metrics.refused_before_start(exc)
             return response_for(exc)
-        if isinstance(first, Error):  # the backend refused it: answer with a status, not 201
-            self._metrics.refusals.labels(first.type).inc()
-            return refusal_response(first, stream.refusal)
+        try:
+            created = await create_native_stream(
+                self._hub, self._settings, self._metrics, payload, scope, tenant
+            )
+        except SluiceError as exc:  # counted where it was raised
+            return response_for(exc)
+        stream, versioned = created.stream, created.versioned
+        if created.refused is not None:  # the backend refused it: a status, not 201
+            return refusal_response(created.refused, stream.refusal)
         base = f"/v1/streams/{stream.id}"
         token = self._auth.tokens.mint(stream.id)
         payload = {

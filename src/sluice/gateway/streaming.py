@@ -31,11 +31,11 @@ from sluice.errors import (
     BadEventIdError,
     BadRequestError,
     CapacityError,
-    ResumeGapError,
     SluiceError,
 )
 from sluice.gateway.auth import TOKEN_PARAM, Auth, Caller, presented_token
 from sluice.gateway.cors import CorsPolicy
+from sluice.gateway.cursor import readable_after
 from sluice.gateway.errors import response_for
 from sluice.gateway.hosts import HostPolicy
 from sluice.gateway.requests import check_bounds, last_event_id, to_generation_request
@@ -195,28 +195,6 @@ class EventStreams:
 
 
 _NO_CONTENT = Whole(204)
-
-
-def readable_after(hub: StreamHub, stream: Stream, after_seq: int, metrics: Metrics) -> bool:
-    """Whether a reader of ``stream`` after event ``after_seq`` has anything to read: False
-    once the stream ended and the position has it all. Raises
-    :class:`~sluice.errors.BadEventIdError` for a position past the stream's last event and
-    :class:`~sluice.errors.ResumeGapError` (counted) for one the log no longer holds. Every
-    transport's reads (SSE, gRPC, ...) check their position here."""
-    log = hub.log
-    last_seq = log.last_seq(stream.id)
-    if after_seq > last_seq:
-        raise BadEventIdError(
-            f"Last-Event-ID names event {after_seq}, but stream {stream.id} has {last_seq}"
-        )
-    if stream.is_terminal and after_seq >= last_seq:
-        return False
-    try:
-        log.read(stream.id, after_seq, 1)  # is the position still retained?
-    except ResumeGapError:
-        metrics.resume_gaps.inc()
-        raise
-    return True
 
 
 def _with_headers(answer: Whole, headers: Sequence[tuple[bytes, bytes]]) -> Whole:

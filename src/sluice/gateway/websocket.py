@@ -26,13 +26,12 @@ from urllib.parse import parse_qs
 from starlette.responses import Response
 
 from sluice.errors import BadEventIdError, BadRequestError, SluiceError
-from sluice.events import Error
 from sluice.gateway.auth import TOKEN_PARAM, Auth, Caller, presented_token
 from sluice.gateway.cors import CorsPolicy
+from sluice.gateway.creation import create_native_stream
 from sluice.gateway.cursor import open_reader_at
 from sluice.gateway.errors import answer_for, error_response, response_for
 from sluice.gateway.hosts import HostPolicy
-from sluice.gateway.requests import generation_request, parse_create_stream, received
 from sluice.gateway.settings import Settings
 from sluice.observability.metrics import Metrics
 from sluice.streams.hub import Stream, StreamHub
@@ -161,24 +160,17 @@ class WebSockets:
             raise BadRequestError(f"this socket reads {limit} streams, its maximum")
 
     async def _create(self, session: WebSocketSession, message: Create, scope: Scope) -> None:
-        hub = self._hub
         try:
             self._check_room(session)
             tenant = self._auth.creator(scope["headers"])
-            body = parse_create_stream(message.request, self._settings)
-            stream = await hub.create(
-                body.model or self._settings.requests.default_model,
-                received(generation_request(body), scope, tenant),
-                resumable=body.resumable,
-                grace_s=body.grace_s,
-                tenant=tenant,
-            )
-            first = await hub.first_event(stream.id)
         except SluiceError as exc:
             self._metrics.refused_before_start(exc)
             raise
-        if isinstance(first, Error):  # the backend refused it before it started
-            self._metrics.refusals.labels(first.type).inc()
+        created = await create_native_stream(
+            self._hub, self._settings, self._metrics, message.request, scope, tenant
+        )
+        stream, first = created.stream, created.refused
+        if first is not None:  # the backend refused it before it started
             session.send_message(error_message(first.type, first.message))
             return
         token = self._auth.tokens.mint(stream.id)
@@ -190,7 +182,7 @@ class WebSockets:
             "resume_token": token,
         }
         session.send_message(created_message(described))
-        reader = open_reader_at(hub, self._metrics, stream, 0)
+        reader = open_reader_at(self._hub, self._metrics, stream, 0)
         if reader is not None:
             session.subscribe(reader, resumable=stream.resumable)
 

@@ -37,10 +37,10 @@ from google.rpc import error_details_pb2, status_pb2
 from sluice.errors import BadEventIdError, SluiceError, TenantLimitError
 from sluice.events import Error
 from sluice.gateway.auth import RESUME_TOKEN_HEADER, Auth, Caller, presented_token
+from sluice.gateway.creation import create_native_stream
+from sluice.gateway.cursor import open_reader_at
 from sluice.gateway.errors import REFUSAL_STATUS, answer_for
-from sluice.gateway.requests import generation_request, parse_create_stream, received
 from sluice.gateway.settings import Settings
-from sluice.gateway.streaming import readable_after
 from sluice.grpc_api import streams_pb2 as pb
 from sluice.grpc_api.messages import GrpcFrames, split_frames
 from sluice.runtime import Runtime
@@ -233,27 +233,24 @@ class StreamsService:
         self, request: pb.GenerateRequest, headers: Sequence[tuple[bytes, bytes]]
     ) -> Stream:
         """The admitted stream of a Generate; raises :class:`_Refused`."""
-        hub = self._hub
+        if self._runtime.shutdown.is_set():
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, "the server is shutting down", 1.0)
+        metrics = self._runtime.metrics
         try:
-            if self._runtime.shutdown.is_set():
-                raise _Refused(grpc.StatusCode.UNAVAILABLE, "the server is shutting down", 1.0)
             tenant = self._auth.creator(headers)
-            body = parse_create_stream(_create_body(request), self._settings)
-            stream = await hub.create(
-                body.model or self._settings.requests.default_model,
-                received(generation_request(body), {"headers": list(headers)}, tenant),
-                resumable=body.resumable,
-                grace_s=body.grace_s,
-                tenant=tenant,
-            )
-            first = await hub.first_event(stream.id)
         except SluiceError as exc:
-            self._runtime.metrics.refused_before_start(exc)
+            metrics.refused_before_start(exc)
             raise _refused(exc) from exc
-        if isinstance(first, Error):
-            self._runtime.metrics.refusals.labels(first.type).inc()
-            raise _backend_refusal(first, stream)
-        return stream
+        scope = {"headers": list(headers)}
+        try:
+            created = await create_native_stream(
+                self._hub, self._settings, metrics, _create_body(request), scope, tenant
+            )
+        except SluiceError as exc:  # counted where it was raised
+            raise _refused(exc) from exc
+        if created.refused is not None:
+            raise _backend_refusal(created.refused, created.stream)
+        return created.stream
 
     def _caller(self, headers: Sequence[tuple[bytes, bytes]]) -> Caller:
         return self._auth.caller(headers, presented_token(headers, None))
@@ -276,9 +273,7 @@ class StreamsService:
                     f"last_event_id belongs to stream {position_stream}, not {stream.id}"
                 )
             self._runtime.metrics.resumes.inc()
-        if not readable_after(self._hub, stream, after_seq, self._runtime.metrics):
-            return None
-        return self._hub.open_reader(stream.id, after_seq)
+        return open_reader_at(self._hub, self._runtime.metrics, stream, after_seq)
 
     async def _deliver(
         self, reader: Reader, stream_id: str, context: grpc.aio.ServicerContext[Any, Any]
