@@ -57,12 +57,14 @@ class StuckSocket:
     """A WebSocket client on a raw socket with a tiny receive window, that sends what it is
     told and reads nothing (until :meth:`drain`)."""
 
-    def __init__(self, server: ServerProcess, receive_buffer_bytes: int = 4096) -> None:
+    def __init__(
+        self, server: ServerProcess, receive_buffer_bytes: int = 4096, path: str = "/v1/ws"
+    ) -> None:
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer_bytes)
         self.sock.settimeout(RECEIVE_TIMEOUT_S)
         self.sock.connect(("127.0.0.1", server.port))
-        self.protocol = ClientProtocol(parse_uri(f"ws://127.0.0.1:{server.port}/v1/ws"))
+        self.protocol = ClientProtocol(parse_uri(f"ws://127.0.0.1:{server.port}{path}"))
         self.protocol.send_request(self.protocol.connect())
         self._flush()
         while self.protocol.state is State.CONNECTING:

@@ -41,6 +41,7 @@ from sluice.gateway.limits import check_head
 from sluice.gateway.longpoll import LongPolls
 from sluice.gateway.openapi import openapi_endpoint
 from sluice.gateway.protocol import GatewayOpener
+from sluice.gateway.responses_socket import RESPONSES_WS_PATH, ResponsesSockets
 from sluice.gateway.routes import NativeApi
 from sluice.gateway.settings import Settings
 from sluice.gateway.streaming import EventStreams
@@ -96,6 +97,17 @@ class SluiceApp:
         api = NativeApi(self.hub, settings, page, self.metrics, self.auth)
         compat = CompatAPI(
             self.hub, settings, self.streams.options, self.metrics, self.auth, self.frames
+        )
+        # GET /v1/responses as a WebSocket: the Responses API's WebSocket mode, with the
+        # same checks and limits as /v1/ws (sluice.gateway.responses_socket).
+        self.responses_sockets = ResponsesSockets(
+            self.hub,
+            compat,
+            settings,
+            self.auth,
+            cors=self.cors,
+            hosts=self.hosts,
+            limits=self.websockets.limits,
         )
         # What `sluice serve`'s native HTTP/1.1 path asks of the app (sluice.transports.http1).
         self.opener = GatewayOpener(
@@ -167,7 +179,10 @@ class SluiceApp:
                     await CorsMiddleware(response, self.cors)(scope, receive, send)
                 return
         elif scope["type"] == "websocket":
-            await self.websockets(scope, receive, send)
+            if scope["path"] == RESPONSES_WS_PATH:
+                await self.responses_sockets(scope, receive, send)
+            else:
+                await self.websockets(scope, receive, send)
             return
         await self._framework(scope, receive, send)
 

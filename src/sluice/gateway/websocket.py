@@ -47,7 +47,7 @@ from sluice.transports.websocket_protocol import (
     parse_client_message,
 )
 
-__all__ = ["WS_PATH", "WebSockets", "origin_allowed"]
+__all__ = ["WS_PATH", "WebSockets", "check_handshake", "origin_allowed", "refuse_handshake"]
 
 WS_PATH = "/v1/ws"
 _DEFAULT_PORTS = {"http": ":80", "https": ":443"}
@@ -73,6 +73,23 @@ def origin_allowed(scope: Scope, cors: CorsPolicy) -> bool:
     if default_port is not None:
         host = host.removesuffix(default_port)
     return authority == host
+
+
+def check_handshake(
+    scope: Scope, auth: Auth, *, cors: CorsPolicy, hosts: HostPolicy
+) -> Caller | Response:
+    """A WebSocket handshake's caller, or the answer that refuses it (see the module doc:
+    ``Host``, then ``Origin``, then the caller); raises the errors of the HTTP API's
+    checks (``Host``, key). Every WebSocket endpoint checks its handshake so."""
+    hosts.check(scope)
+    if not origin_allowed(scope, cors):
+        origin = (_header(scope, b"origin") or b"").decode("latin-1")[:80]
+        message = f"origin {origin!r} may not open WebSockets to this server"
+        return error_response(403, "origin_refused", message)
+    query = parse_qs(scope["query_string"].decode("latin-1"))
+    tokens = query.get(TOKEN_PARAM)
+    headers = scope["headers"]
+    return auth.caller(headers, presented_token(headers, tokens[-1] if tokens else None))
 
 
 class WebSockets:
@@ -105,7 +122,7 @@ class WebSockets:
         except SluiceError as exc:
             caller = response_for(exc)
         if isinstance(caller, Response):
-            await _refuse(scope, send, caller)
+            await refuse_handshake(scope, send, caller)
             return
         await send({"type": "websocket.accept"})
 
@@ -120,15 +137,7 @@ class WebSockets:
         HTTP API's checks (``Host``, key)."""
         if scope["path"] != WS_PATH:
             return error_response(404, "not_found", "WebSockets are served at /v1/ws")
-        self._hosts.check(scope)
-        if not origin_allowed(scope, self._cors):
-            origin = (_header(scope, b"origin") or b"").decode("latin-1")[:80]
-            message = f"origin {origin!r} may not open WebSockets to this server"
-            return error_response(403, "origin_refused", message)
-        query = parse_qs(scope["query_string"].decode("latin-1"))
-        tokens = query.get(TOKEN_PARAM)
-        headers = scope["headers"]
-        return self._auth.caller(headers, presented_token(headers, tokens[-1] if tokens else None))
+        return check_handshake(scope, self._auth, cors=self._cors, hosts=self._hosts)
 
     async def _handle(
         self, session: WebSocketSession, text: str, scope: Scope, caller: Caller
@@ -219,7 +228,7 @@ class WebSockets:
         session.subscribe(reader, resumable=stream.resumable)
 
 
-async def _refuse(scope: Scope, send: Send, response: Response) -> None:
+async def refuse_handshake(scope: Scope, send: Send, response: Response) -> None:
     """Answer a handshake with ``response`` (an HTTP status and its JSON body) where the
     server can (ASGI's WebSocket Denial Response), else with a bare ``403``."""
     if "websocket.http.response" not in scope.get("extensions", {}):

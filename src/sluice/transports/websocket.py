@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from sluice.streams.reader import Reader
 from sluice.transports.asgi import Receive, Send
 from sluice.transports.delivery import Delivery, DeliveryOptions
+from sluice.transports.frames import FrameSource
 from sluice.transports.sse import CallbackSSE
 from sluice.transports.websocket_protocol import (
     CLOSE_NOT_RESUMABLE,
@@ -53,10 +54,14 @@ from sluice.transports.websocket_protocol import (
     split_messages,
 )
 
-__all__ = ["MessageHandler", "WebSocketSession"]
+__all__ = ["ErrorEncoder", "MessageHandler", "WebSocketSession"]
 
 MessageHandler = Callable[["WebSocketSession", str], Awaitable[None]]
 """What the gateway does with one client text message (it answers through the session)."""
+
+ErrorEncoder = Callable[[str, str, "str | None"], bytes]
+"""The session's own refusals (a binary message, a subscription ended early) as a message
+of the socket's protocol: ``(code, message, stream_id)``."""
 
 _COMMENT = b":"  # the core's heartbeat is an SSE comment line: not sent here
 
@@ -73,6 +78,7 @@ class WebSocketSession:
     __slots__ = (
         "_close_code",
         "_ended",
+        "_errors",
         "_has_messages",
         "_limits",
         "_options",
@@ -84,8 +90,15 @@ class WebSocketSession:
         "_turn",
     )
 
-    def __init__(self, send: Send, options: DeliveryOptions, limits: WebSocketLimits) -> None:
+    def __init__(
+        self,
+        send: Send,
+        options: DeliveryOptions,
+        limits: WebSocketLimits,
+        errors: ErrorEncoder = error_message,
+    ) -> None:
         self._send = send
+        self._errors = errors
         self._options = options
         self._limits = limits
         self._queue: deque[bytes] = deque()
@@ -118,13 +131,17 @@ class WebSocketSession:
         a client message: the receiver waits for room before reading the next one)."""
         self._enqueue(split_messages(message))
 
-    def subscribe(self, reader: Reader, *, resumable: bool) -> None:
+    def subscribe(
+        self, reader: Reader, *, resumable: bool, frames: FrameSource | None = None
+    ) -> None:
         """Deliver ``reader``'s records to this socket until the stream's end, a send
-        timeout or the socket's close."""
+        timeout or the socket's close, as ``frames`` encodes them (each message ending
+        with ``LF``; by default the native protocol's ``event`` messages)."""
         stream_id = reader.stream_id
         if stream_id in self._subscriptions:
             raise RuntimeError(f"already subscribed to {stream_id}")
-        core = Delivery(reader, WebSocketFrames(stream_id), self._options)
+        source = WebSocketFrames(stream_id) if frames is None else frames
+        core = Delivery(reader, source, self._options)
 
         def finish(clean: bool) -> None:
             self._finished(stream_id, clean)
@@ -184,7 +201,7 @@ class WebSocketSession:
             if not subscription.shell.core.reader.done:
                 # Ended by the server (a drop, a shutdown) before the stream's end.
                 self.send_message(
-                    error_message(
+                    self._errors(
                         "interrupted",
                         "the server ended this subscription before the stream's end: "
                         "subscribe again from the last id received",
@@ -251,7 +268,9 @@ class WebSocketSession:
             text = message.get("text")
             if text is None:
                 self.send_message(
-                    error_message("invalid_request", "binary messages are refused: send JSON text")
+                    self._errors(
+                        "invalid_request", "binary messages are refused: send JSON text", None
+                    )
                 )
                 continue
             await handle(self, text)
