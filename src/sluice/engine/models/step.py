@@ -245,8 +245,7 @@ class StepLayout:
     seqs: Sequence[StepSequence]
     positions: torch.Tensor
     slots: torch.Tensor  # the cache slot of every packed token
-    groups: tuple[AttentionGroup, ...]
-    chunks: tuple[StepSequence, ...]  # attended one by one
+    groups: tuple[AttentionGroup, ...]  # the decodes' group, then the chunks' group
 
     @classmethod
     def of(
@@ -254,11 +253,15 @@ class StepLayout:
     ) -> StepLayout:
         device = positions.device
         slots = packed_slots(positions, seqs, kv_cache)
-        decodes = [seq for seq in seqs if seq.num_new_tokens == 1]
-        chunks = tuple(seq for seq in seqs if seq.num_new_tokens > 1)
         num_tokens = int(positions.shape[0])
-        groups = () if not decodes else (AttentionGroup.of(decodes, num_tokens, kv_cache, device),)
-        return cls(seqs, positions, slots, groups, chunks)
+        decodes = [seq for seq in seqs if seq.num_new_tokens == 1]
+        chunks = [seq for seq in seqs if seq.num_new_tokens > 1]
+        groups = tuple(
+            AttentionGroup.of(members, num_tokens, kv_cache, device)
+            for members in (decodes, chunks)
+            if members
+        )
+        return cls(seqs, positions, slots, groups)
 
 
 def attend_group(
@@ -289,7 +292,6 @@ def paged_attention(
     cache; ``[num_tokens, heads * dim]``. Grouped-query caches (fewer KV heads) are
     attended as such (``enable_gqa``), never expanded."""
     num_tokens, num_heads, head_dim = q.shape
-    group = num_heads // kv_cache.num_kv_heads
     if len(layout.groups) == 1 and layout.groups[0].rows is None:
         # Decodes only: the group's output rows are the packed rows.
         return attend_group(q, layout.groups[0], kv_cache, layer).reshape(
@@ -302,21 +304,4 @@ def paged_attention(
             attended = attended[attention_group.valid]
         assert attention_group.out_rows is not None
         out.index_copy_(0, attention_group.out_rows, attended)
-    positions = layout.positions
-    for seq in layout.chunks:
-        seq_q = q[seq.start : seq.end].transpose(0, 1)  # [heads, num_new, dim]
-        seq_k, seq_v = kv_cache.gather(layer, seq.block_table, seq.context_len)
-        if group > 1:
-            seq_k = seq_k.repeat_interleave(group, dim=1)
-            seq_v = seq_v.repeat_interleave(group, dim=1)
-        # Query at position p attends to keys at positions 0..p.
-        key_positions = torch.arange(seq.context_len, device=q.device)
-        mask = key_positions[None, :] <= positions[seq.start : seq.end, None]
-        attended = F.scaled_dot_product_attention(
-            seq_q,
-            seq_k.transpose(0, 1).to(seq_q.dtype),
-            seq_v.transpose(0, 1).to(seq_q.dtype),
-            attn_mask=mask,
-        )
-        out[seq.start : seq.end] = attended.transpose(0, 1)
     return out.reshape(num_tokens, num_heads * head_dim)
