@@ -523,21 +523,32 @@ async def hold_idle(transport: str, ports: Ports, n: int, pid: int) -> float:
     limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=n + 10)
     http2 = transport == "sse-h2"
     base = ports.h2 if http2 else ports.h1
+    connections = (n + PER_CONNECTION - 1) // PER_CONNECTION  # h2 and gRPC: 100 a connection
     async with contextlib.AsyncExitStack() as stack:
-        client = await stack.enter_async_context(
-            httpx.AsyncClient(
-                base_url=base, http1=not http2, http2=http2, limits=limits, timeout=120
+        clients = [
+            await stack.enter_async_context(
+                httpx.AsyncClient(
+                    base_url=base, http1=not http2, http2=http2, limits=limits, timeout=120
+                )
             )
-        )
-        channel = await stack.enter_async_context(grpc.aio.insecure_channel(f"{HOST}:{ports.grpc}"))
-        starts: dict[str, Callable[[], Awaitable[None]]] = {
-            "sse-h1": lambda: sse(client),
-            "sse-h2": lambda: sse(client),
-            "websocket": ws,
-            "long-poll": lambda: poll(client),
-            "grpc": lambda: rpc(channel),
-        }
-        tasks = [asyncio.create_task(starts[transport]()) for _ in range(n)]
+            for _ in range(connections if http2 else 1)
+        ]
+        channels = [
+            await stack.enter_async_context(grpc.aio.insecure_channel(f"{HOST}:{ports.grpc}"))
+            for _ in range(connections)
+        ]
+
+        def start(index: int) -> Awaitable[None]:
+            client = clients[index // PER_CONNECTION if http2 else 0]
+            if transport in ("sse-h1", "sse-h2"):
+                return sse(client)
+            if transport == "websocket":
+                return ws()
+            if transport == "long-poll":
+                return poll(client)
+            return rpc(channels[index // PER_CONNECTION])
+
+        tasks = [asyncio.create_task(start(i)) for i in range(n)]
         await asyncio.wait_for(all_open.wait(), 120)
         await asyncio.sleep(0.5)  # let the allocator settle before reading RSS
         grown = rss_bytes(pid) - before
