@@ -32,9 +32,7 @@ _LENGTH_BYTES = 4
 
 def stream_event(event: NeutralEvent, id: str) -> pb.StreamEvent:
     """``event`` as the message with id ``id``."""
-    kind = type(event)
-    if kind is TextDelta:
-        assert isinstance(event, TextDelta)
+    if isinstance(event, TextDelta):  # first: one per token
         return pb.StreamEvent(id=id, event="token", token=pb.Token(text=event.text))
     if isinstance(event, Started):
         return pb.StreamEvent(
@@ -59,7 +57,7 @@ def stream_event(event: NeutralEvent, id: str) -> pb.StreamEvent:
     if isinstance(event, Error):
         error = pb.Error(code=event.type, message=event.message, retryable=event.retryable)
         return pb.StreamEvent(id=id, event="error", error=error)
-    raise TypeError(f"no StreamEvent for {kind.__name__}")
+    raise TypeError(f"no StreamEvent for {type(event).__name__}")
 
 
 def _frame(message: pb.StreamEvent) -> bytes:

@@ -48,7 +48,7 @@ from sluice.streams.hub import Stream
 from sluice.streams.ids import is_stream_id, parse_event_id
 from sluice.streams.reader import Reader
 from sluice.transports.awaited import pump
-from sluice.transports.delivery import PING, Delivery
+from sluice.transports.delivery import PING, Delivery, Ending
 
 __all__ = ["SERVICE", "StreamsService"]
 
@@ -291,7 +291,7 @@ class StreamsService:
             await pump(core, send, send_timeout_s=self._settings.delivery.send_timeout_s)
         finally:
             core.close()
-        if core.ended is not None and core.ended.value == "unclean":
+        if core.ended is Ending.UNCLEAN:  # the send timeout: the client took nothing
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 f"the client took nothing for {self._settings.delivery.send_timeout_s} s; "

@@ -49,6 +49,7 @@ import orjson
 from sluice.errors import BadRequestError
 from sluice.streams.log import Batch
 from sluice.transports.frames import FrameSource
+from sluice.transports.websocket_protocol import json_object_message
 
 __all__ = [
     "CANCEL",
@@ -89,12 +90,7 @@ ResponsesClientMessage = CreateResponse | CancelResponse
 def parse_responses_message(text: str) -> ResponsesClientMessage:
     """One client message; raises :class:`~sluice.errors.BadRequestError` saying what is
     wrong with it (choice 4)."""
-    try:
-        value = orjson.loads(text)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequestError(f"message is not JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise BadRequestError("message must be a JSON object with a 'type'")
+    value = json_object_message(text)
     kind = value.get("type")
     if kind == CREATE:
         lane = value.get("stream_id")

@@ -134,15 +134,22 @@ class Cancel:
 ClientMessage = Create | Subscribe | Cancel
 
 
-def parse_client_message(text: str) -> ClientMessage:
-    """One client message; raises :class:`~sluice.errors.BadRequestError` saying what is
-    wrong with it (choice 2)."""
+def json_object_message(text: str) -> dict[str, object]:
+    """A client text message as the JSON object every socket protocol here takes; raises
+    :class:`~sluice.errors.BadRequestError` for anything else."""
     try:
         value = orjson.loads(text)
     except orjson.JSONDecodeError as exc:
         raise BadRequestError(f"message is not JSON: {exc}") from exc
     if not isinstance(value, dict):
         raise BadRequestError("message must be a JSON object with a 'type'")
+    return value
+
+
+def parse_client_message(text: str) -> ClientMessage:
+    """One client message; raises :class:`~sluice.errors.BadRequestError` saying what is
+    wrong with it (choice 2)."""
+    value = json_object_message(text)
     kind = value.get("type")
     if kind == "create":
         request = value.get("request")
