@@ -12,7 +12,9 @@ tokens, the same torch thread count for everyone):
    checkpoint, one request at a time (``--sequential`` of them; tokens/s does not depend
    on how many).
 3. baseline "HF static batch": one ``generate`` call over all requests, left-padded.
-4. abort-to-free: the engine under its :class:`~sluice.engine.driver.AsyncEngine` driver,
+4. ours, one sequence: the same engine, built once and reused, given the ``--sequential``
+   requests one at a time (the figure to put beside HF sequential and llama.cpp).
+5. abort-to-free: the engine under its :class:`~sluice.engine.driver.AsyncEngine` driver,
    all requests decoding; ``--aborts`` requests are aborted at random moments and the time
    from ``abort()`` to its reply (blocks free) is compared with the step time.
 
@@ -22,6 +24,10 @@ must be equal; a mismatch is listed under "Problems").
 
     .venv/bin/python bench/engine_throughput.py            # ~1-2 min on 2 vCPUs
     .venv/bin/python bench/engine_throughput.py --quick    # a smoke run
+    .venv/bin/python bench/engine_throughput.py --model default   # SmolLM2-135M (GGUF)
+
+``--model`` takes a checkpoint directory, a ``.gguf`` file (``transformers`` loads the same
+file with its GGUF support), or ``default`` for the model ``sluice serve`` loads by default.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import torch
 import transformers
 
 from sluice.cli import BUNDLED_MODEL
+from sluice.engine.default_model import default_model_file
 from sluice.engine.driver import AsyncEngine
 from sluice.engine.engine import Engine, EngineConfig
 from sluice.engine.loader import Checkpoint, load_checkpoint
@@ -121,8 +128,14 @@ def make_engine(checkpoint: Checkpoint, args: argparse.Namespace) -> Engine:
     )
 
 
-def run_ours(checkpoint: Checkpoint, prompts: list[list[int]], args: argparse.Namespace) -> OursRun:
-    engine = make_engine(checkpoint, args)
+def run_ours(
+    checkpoint: Checkpoint,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    engine: Engine | None = None,
+) -> OursRun:
+    """All ``prompts`` added at once to ``engine`` (a new one by default), stepped to the end."""
+    engine = make_engine(checkpoint, args) if engine is None else engine
     params = SamplingParams(max_tokens=args.output, temperature=0, ignore_eos=True)
     tokens: dict[int, list[int]] = {}
     first: dict[int, float] = {}
@@ -150,8 +163,32 @@ def run_ours(checkpoint: Checkpoint, prompts: list[list[int]], args: argparse.Na
     )
 
 
-def load_hf(directory: Path) -> transformers.PreTrainedModel:
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+def run_ours_one_at_a_time(
+    checkpoint: Checkpoint, prompts: list[list[int]], args: argparse.Namespace
+) -> Run:
+    """``prompts`` one by one through one reused engine (its KV cache is built once)."""
+    engine = make_engine(checkpoint, args)
+    run_ours(checkpoint, prompts[:1], argparse.Namespace(**{**vars(args), "output": 4}), engine)
+    start = time.perf_counter()
+    completions = [run_ours(checkpoint, [p], args, engine).completions[0] for p in prompts]
+    elapsed = time.perf_counter() - start
+    return Run(sum(len(c) for c in completions) / elapsed, elapsed, completions)
+
+
+def resolve_model(model: Path) -> Path:
+    """``default`` is the model ``sluice serve`` loads when told none."""
+    if str(model) == "default":
+        return default_model_file()
+    return model
+
+
+def load_hf(path: Path) -> transformers.PreTrainedModel:
+    if path.suffix == ".gguf":
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        )
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.generation_config.eos_token_id = None  # every request makes all its tokens
     return model.eval()
 
@@ -248,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.requests, args.prompt, args.output, args.sequential, args.aborts = 8, 32, 32, 4, 4
     torch.set_num_threads(args.threads)
+    args.model = resolve_model(args.model)
 
     checkpoint = load_checkpoint(args.model)
     hf = load_hf(args.model)
@@ -267,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"HF sequential: {sequential.tokens_per_s:.0f} tok/s", flush=True)
     batch = run_hf(hf, prompts, args.output, pad_id, batched=True)
     print(f"HF static batch: {batch.tokens_per_s:.0f} tok/s", flush=True)
+    single = run_ours_one_at_a_time(checkpoint, prompts[: args.sequential], args)
+    print(f"ours, one sequence: {single.tokens_per_s:.0f} tok/s", flush=True)
     aborts = asyncio.run(run_aborts(checkpoint, prompts, args))
 
     problems = []
@@ -277,16 +317,21 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name}: {len(run.completions) - same} of {len(run.completions)} greedy "
                 "completions differ from ours"
             )
+    if single.completions != sequential.completions:
+        problems.append("ours one at a time: greedy completions differ from HF sequential")
     if aborts.blocks_leaked:
         problems.append(f"{aborts.blocks_leaked} KV blocks still used after every abort")
 
     vs_seq = ours.tokens_per_s / sequential.tokens_per_s
     vs_batch = ours.tokens_per_s / batch.tokens_per_s
+    vs_single = single.tokens_per_s / sequential.tokens_per_s
     one_step = aborts.max_steps_ended_before_reply <= 1
     rows = [
         ("output tokens/s, ours", f"{ours.tokens_per_s:.0f}", ""),
         ("output tokens/s, HF sequential", f"{sequential.tokens_per_s:.0f}", ""),
         ("output tokens/s, HF static batch", f"{batch.tokens_per_s:.0f}", ""),
+        ("output tokens/s, ours one sequence", f"{single.tokens_per_s:.0f}", ""),
+        ("ours one sequence / HF sequential", f"{vs_single:.2f}x", ""),
         ("ours / HF sequential", f"{vs_seq:.2f}x", _verdict(vs_seq >= 3, ">= 3x")),
         ("ours / HF static batch", f"{vs_batch:.2f}x", _verdict(vs_batch >= 1.5, ">= 1.5x")),
         ("TTFT p50 under load (ms)", _ms(ours.ttft_p50_s), ""),
@@ -313,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("ours", ours),
                 ("hf_sequential", sequential),
                 ("hf_batch", batch),
+                ("ours_one_sequence", single),
                 ("aborts", aborts),
             )
         }

@@ -201,3 +201,32 @@ def test_cache_write_then_gather_returns_positions_in_order() -> None:
     assert v.flatten().tolist() == [-1.0, -2.0, -3.0, -4.0, -5.0]
     assert cache.k[0][4].flatten().tolist() == [1.0, 2.0]
     assert cache.k[0][0].abs().sum() == 0
+
+
+def test_mixed_step_of_chunks_and_decodes_ignores_nan_in_unused_cache_slots(
+    model: GPT2LMHeadModel,
+) -> None:
+    # Two chunks of different lengths (one continuing its context) and two decodes attend
+    # in one step, over blocks whose unused slots (and every other block) hold NaN, as a
+    # failed request could leave them: every row must still match the reference.
+    tokens = [random_tokens(n, seed=20 + n) for n in (7, 21, 12, 18)]
+    tables = [[3], [8, 1, 14], [5, 0], [2, 11, 6]]
+    cache = model.make_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    for layer in range(CONFIG.n_layer):
+        cache.k[layer].fill_(float("nan"))
+        cache.v[layer].fill_(float("nan"))
+    step(model, cache, [(tokens[1][:10], 10, tables[1]), (tokens[2][:11], 11, tables[2])])
+    step(model, cache, [(tokens[3][:17], 17, tables[3])])
+    mixed = step(
+        model,
+        cache,
+        [
+            (tokens[0], 7, tables[0]),  # a whole prompt
+            (tokens[2][11:], 12, tables[2]),  # a decode
+            (tokens[1][10:], 21, tables[1]),  # a chunk after 10 cached tokens
+            (tokens[3][17:], 18, tables[3]),  # a decode
+        ],
+    )
+    assert torch.isfinite(mixed).all()
+    for row, ids in enumerate([tokens[0], tokens[2], tokens[1], tokens[3]]):
+        torch.testing.assert_close(mixed[row], reference_logits(model, ids)[-1], atol=ATOL, rtol=0)

@@ -7,6 +7,10 @@ dimensions gives ``num_blocks * block_size`` slots; the token at position ``pos`
 
     slot = block_table[pos // block_size] * block_size + pos % block_size
 
+Behind the blocks lies one extra slot, :attr:`KVCache.zero_slot`, that is never written
+and stays zero: attention reads it in place of every key position past a sequence's
+context, so stale (maybe NaN) K/V of a block's unused slots never reaches a softmax.
+
 Which blocks a sequence owns is the block manager's business (pure Python); this module
 only stores, writes and gathers. The cache never carries autograd history: written K and V
 are detached.
@@ -83,16 +87,26 @@ class KVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
+        # [num_slots + 1, heads, dim] per layer: every slot, then the zero slot.
+        flat_shape = (num_blocks * block_size + 1, num_kv_heads, head_dim)
+        self.flat_k: list[torch.Tensor] = [
+            torch.zeros(flat_shape, dtype=dtype, device=device) for _ in range(num_layers)
         ]
-        self.v: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
+        self.flat_v: list[torch.Tensor] = [
+            torch.zeros(flat_shape, dtype=dtype, device=device) for _ in range(num_layers)
         ]
+        # The blocks, as views of the same storage (the zero slot left out).
+        self.k: list[torch.Tensor] = [flat[:-1].view(shape) for flat in self.flat_k]
+        self.v: list[torch.Tensor] = [flat[:-1].view(shape) for flat in self.flat_v]
 
     @property
     def num_slots(self) -> int:
         """``num_blocks * block_size``: the length of the flattened slot dimension."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def zero_slot(self) -> int:
+        """The index, in :attr:`flat_k` / :attr:`flat_v`, of the slot that stays zero."""
         return self.num_blocks * self.block_size
 
     def slot_mapping(
@@ -109,10 +123,10 @@ class KVCache:
             raise KVCacheError(
                 f"k and v must have shape {expected}, got {tuple(k.shape)} and {tuple(v.shape)}"
             )
-        flat_shape = (self.num_slots, self.num_kv_heads, self.head_dim)
+        flat_k, flat_v = self.flat_k[layer], self.flat_v[layer]
         slots = slots.long()
-        self.k[layer].view(flat_shape).index_copy_(0, slots, k.detach().to(self.k[layer].dtype))
-        self.v[layer].view(flat_shape).index_copy_(0, slots, v.detach().to(self.v[layer].dtype))
+        flat_k.index_copy_(0, slots, k.detach().to(flat_k.dtype))
+        flat_v.index_copy_(0, slots, v.detach().to(flat_v.dtype))
 
     def gather(
         self, layer: int, block_table: Sequence[int] | torch.Tensor, context_len: int

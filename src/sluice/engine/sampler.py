@@ -108,10 +108,21 @@ class Sampler:
         log_probs = torch.log_softmax(rows, dim=-1)
         # The max is NaN when a row holds a NaN, +inf with a +inf, -inf when all are -inf.
         finite = torch.isfinite(rows.max(dim=-1).values).tolist()
+        # Greedy rows, the common case, take one argmax and one gather for the whole batch
+        # (the same first-maximum rule as a row's own argmax), not a few calls per row.
+        greedy_tokens: list[int] = []
+        greedy_logprobs: list[float] = []
+        if any(row_params.greedy for row_params in params):
+            tokens = rows.argmax(dim=-1)
+            greedy_tokens = tokens.tolist()
+            greedy_logprobs = log_probs.gather(1, tokens[:, None])[:, 0].tolist()
         results: list[Sampled | Exception] = []
         for row, (row_params, request_id) in enumerate(zip(params, request_ids, strict=True)):
             if not finite[row]:
                 results.append(NonFiniteLogitsError())
+                continue
+            if row_params.greedy:
+                results.append(Sampled(greedy_tokens[row], greedy_logprobs[row]))
                 continue
             try:
                 token = self._draw(rows[row], row_params, request_id)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from sluice.engine.kv_cache import KVCache, num_blocks_for
 
 __all__ = [
-    "DecodeBatch",
+    "AttentionGroup",
     "StepError",
     "StepLayout",
     "StepSequence",
@@ -111,10 +111,19 @@ def begin_step(
 def packed_slots(
     positions: torch.Tensor, seqs: Sequence[StepSequence], kv_cache: KVCache
 ) -> torch.Tensor:
-    """The cache slot of every packed token, through its sequence's block table."""
-    return torch.cat(
-        [kv_cache.slot_mapping(seq.block_table, positions[seq.start : seq.end]) for seq in seqs]
-    )
+    """The cache slot of every packed token, through its sequence's block table.
+
+    Worked out in Python from each sequence's ``context_len`` (its new tokens sit at the
+    last ``num_new_tokens`` positions), then made one tensor: a step of 64 decodes costs
+    one tensor, not a few per sequence.
+    """
+    block_size = kv_cache.block_size
+    slots: list[int] = []
+    for seq in seqs:
+        table = seq.block_table
+        for pos in range(seq.context_len - seq.num_new_tokens, seq.context_len):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    return torch.tensor(slots, dtype=torch.long, device=positions.device)
 
 
 def last_token_indices(seqs: Sequence[StepSequence], device: torch.device) -> torch.Tensor:
@@ -123,62 +132,157 @@ def last_token_indices(seqs: Sequence[StepSequence], device: torch.device) -> to
 
 
 @dataclass(frozen=True)
-class DecodeBatch:
-    """The decoding sequences of a step, attended in one call."""
+class AttentionGroup:
+    """Sequences whose queries attend in ONE ``scaled_dot_product_attention`` call.
 
-    rows: torch.Tensor  # packed index of each one's new token
-    tables: torch.Tensor  # [num_decodes, max_blocks] block tables, padded with block 0
-    mask: torch.Tensor  # [num_decodes, 1, 1, max_context]: key position < context_len
-    # [num_decodes, 1, max_context, 1]: the masked key slots, zeroed before attending. They
-    # hold stale KV (block 0, a last block's unwritten slots), maybe NaN from a request that
-    # failed, and a masked NaN still turns the whole output into NaN.
-    padding: torch.Tensor
+    Each of the ``n`` sequences brings ``q_len`` query rows (its new tokens, padded) and
+    ``max_context`` key positions, read straight out of the cache's flat slots by
+    ``key_slots`` in one ``index_select``: exactly the slots its block table names, and
+    the cache's zero slot past its context (so no stale or NaN K/V is ever attended, and
+    nothing has to be masked-filled afterwards).
+    """
+
+    n: int
+    q_len: int
+    max_context: int
+    key_slots: torch.Tensor  # [n * max_context] flat cache slot of each key position
+    # [n, 1, q_len, max_context] which keys each query sees; None: all of them.
+    mask: torch.Tensor | None
+    # [n * q_len] packed row of each query; None: the group's queries are the packed
+    # tokens themselves, in order (a step of decodes only).
+    rows: torch.Tensor | None
+    # Which of the ``n * q_len`` query rows are real (not padding); None: all.
+    valid: torch.Tensor | None
+    out_rows: torch.Tensor | None  # the packed row each real query's output goes to
+
+    @classmethod
+    def of(
+        cls,
+        seqs: Sequence[StepSequence],
+        num_packed_tokens: int,
+        kv_cache: KVCache,
+        device: torch.device,
+    ) -> AttentionGroup:
+        block_size = kv_cache.block_size
+        n = len(seqs)
+        q_len = max(seq.num_new_tokens for seq in seqs)
+        max_context = max(seq.context_len for seq in seqs)
+        max_blocks = num_blocks_for(max_context, block_size)
+        tables = [
+            list(seq.block_table[:max_blocks])
+            + [0] * (max_blocks - min(max_blocks, len(seq.block_table)))
+            for seq in seqs
+        ]
+        slots = (
+            torch.tensor(tables, dtype=torch.long)[:, :, None] * block_size
+            + torch.arange(block_size)
+        ).view(n, max_blocks * block_size)[:, :max_context]
+        contexts = [seq.context_len for seq in seqs]
+        mask: torch.Tensor | None = None
+        if min(contexts) < max_context:
+            in_context = torch.arange(max_context) < torch.tensor(contexts)[:, None]
+            slots = torch.where(in_context, slots, kv_cache.zero_slot)
+        if q_len == 1:
+            if mask is None and min(contexts) < max_context:
+                mask = in_context[:, None, None, :]
+            starts = [seq.start for seq in seqs]
+            in_order = starts == list(range(num_packed_tokens))
+            rows = None if in_order else torch.tensor(starts, device=device)
+            return cls(
+                n,
+                1,
+                max_context,
+                slots.reshape(-1).to(device),
+                None if mask is None else mask.to(device),
+                rows,
+                None,
+                rows,
+            )
+        # Chunks: query i of a sequence sits at position context_len - num_new + i and sees
+        # keys 0..that position; a padding query sits at position 0 (sees key 0 only).
+        query_positions = [
+            [seq.context_len - seq.num_new_tokens + i for i in range(seq.num_new_tokens)]
+            + [0] * (q_len - seq.num_new_tokens)
+            for seq in seqs
+        ]
+        query_rows = [
+            [seq.start + i for i in range(seq.num_new_tokens)]
+            + [seq.start] * (q_len - seq.num_new_tokens)
+            for seq in seqs
+        ]
+        causal = (
+            torch.arange(max_context)[None, None, :] <= torch.tensor(query_positions)[:, :, None]
+        )
+        valid_list = [i < seq.num_new_tokens for seq in seqs for i in range(q_len)]
+        rows_tensor = torch.tensor(query_rows).reshape(-1)
+        valid: torch.Tensor | None = None
+        out_rows = rows_tensor
+        if not all(valid_list):
+            valid = torch.tensor(valid_list)
+            out_rows = rows_tensor[valid]
+            valid = valid.to(device)
+        return cls(
+            n,
+            q_len,
+            max_context,
+            slots.reshape(-1).to(device),
+            causal[:, None].to(device),
+            rows_tensor.to(device),
+            valid,
+            out_rows.to(device),
+        )
 
 
 @dataclass(frozen=True)
 class StepLayout:
     """How one step's packed tokens attend, worked out once per step for every layer.
 
-    Decoding sequences (one new token each) attend in ONE batched call: their block tables
-    padded to ``[num_decodes, max_blocks]`` gather their keys and values at once, and a
-    mask hides each one's padding. Sequences with several new tokens (prefill chunks)
-    attend one by one, each with its causal mask. Mixing both in one padded batch would
-    pad every decode to the longest chunk.
+    Decoding sequences (one new token each) attend in ONE call, and so do the sequences
+    with several new tokens (prefill chunks), each with its causal mask. Mixing both in one
+    padded group would pad every decode to the longest chunk.
     """
 
     seqs: Sequence[StepSequence]
     positions: torch.Tensor
     slots: torch.Tensor  # the cache slot of every packed token
-    decodes: DecodeBatch | None
-    chunks: tuple[StepSequence, ...]
+    groups: tuple[AttentionGroup, ...]  # the decodes' group, then the chunks' group
 
     @classmethod
     def of(
         cls, seqs: Sequence[StepSequence], positions: torch.Tensor, kv_cache: KVCache
     ) -> StepLayout:
         device = positions.device
-        block_size = kv_cache.block_size
         slots = packed_slots(positions, seqs, kv_cache)
+        num_tokens = int(positions.shape[0])
         decodes = [seq for seq in seqs if seq.num_new_tokens == 1]
-        chunks = tuple(seq for seq in seqs if seq.num_new_tokens > 1)
-        if len(decodes) < 2:  # nothing to batch: every sequence attends alone
-            return cls(seqs, positions, slots, None, tuple(seqs))
-        max_context = max(seq.context_len for seq in decodes)
-        max_blocks = num_blocks_for(max_context, block_size)
-        tables = torch.zeros((len(decodes), max_blocks), dtype=torch.long)
-        for row, seq in enumerate(decodes):
-            num_blocks = num_blocks_for(seq.context_len, block_size)
-            tables[row, :num_blocks] = torch.as_tensor(seq.block_table[:num_blocks])
-        lengths = torch.tensor([seq.context_len for seq in decodes])
-        mask = torch.arange(max_context)[None, :] < lengths[:, None]
-        rows = torch.tensor([seq.start for seq in decodes])
-        batch = DecodeBatch(
-            rows.to(device),
-            tables.to(device),
-            mask[:, None, None, :].to(device),
-            ~mask[:, None, :, None].to(device),
+        chunks = [seq for seq in seqs if seq.num_new_tokens > 1]
+        groups = tuple(
+            AttentionGroup.of(members, num_tokens, kv_cache, device)
+            for members in (decodes, chunks)
+            if members
         )
-        return cls(seqs, positions, slots, batch, chunks)
+        return cls(seqs, positions, slots, groups)
+
+
+def attend_group(
+    q: torch.Tensor, group: AttentionGroup, kv_cache: KVCache, layer: int
+) -> torch.Tensor:
+    """The group's attention output, ``[n * q_len, heads, dim]`` (padding rows included)."""
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.num_kv_heads
+    queries = q if group.rows is None else q.index_select(0, group.rows)
+    queries = queries.view(group.n, group.q_len, num_heads, head_dim).transpose(1, 2)
+    kv_shape = (group.n, group.max_context, num_kv_heads, head_dim)
+    keys = kv_cache.flat_k[layer].index_select(0, group.key_slots).view(kv_shape)
+    values = kv_cache.flat_v[layer].index_select(0, group.key_slots).view(kv_shape)
+    attended = F.scaled_dot_product_attention(
+        queries,
+        keys.transpose(1, 2).to(q.dtype),
+        values.transpose(1, 2).to(q.dtype),
+        attn_mask=group.mask,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    return attended.transpose(1, 2).reshape(group.n * group.q_len, num_heads, head_dim)
 
 
 def paged_attention(
@@ -186,42 +290,18 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of the packed queries ``q`` (``[num_tokens, heads, dim]``) over the
     cache; ``[num_tokens, heads * dim]``. Grouped-query caches (fewer KV heads) are
-    expanded to the query heads."""
+    attended as such (``enable_gqa``), never expanded."""
     num_tokens, num_heads, head_dim = q.shape
-    group = num_heads // kv_cache.num_kv_heads
-    out = torch.empty_like(q)
-    decodes = layout.decodes
-    if decodes is not None:
-        num_decodes, max_blocks = decodes.tables.shape
-        max_context = decodes.mask.shape[-1]
-        shape = (num_decodes, max_blocks * kv_cache.block_size, kv_cache.num_kv_heads, head_dim)
-        keys = kv_cache.k[layer][decodes.tables].reshape(shape)[:, :max_context]
-        values = kv_cache.v[layer][decodes.tables].reshape(shape)[:, :max_context]
-        keys = keys.transpose(1, 2).to(q.dtype)  # [num_decodes, kv_heads, context, dim]
-        values = values.transpose(1, 2).to(q.dtype)
-        keys = keys.masked_fill(decodes.padding, 0)
-        values = values.masked_fill(decodes.padding, 0)
-        if group > 1:
-            keys = keys.repeat_interleave(group, dim=1)
-            values = values.repeat_interleave(group, dim=1)
-        queries = q[decodes.rows][:, :, None, :]  # [num_decodes, heads, 1, dim]
-        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=decodes.mask)
-        out[decodes.rows] = attended[:, :, 0, :]
-    positions = layout.positions
-    for seq in layout.chunks:
-        seq_q = q[seq.start : seq.end].transpose(0, 1)  # [heads, num_new, dim]
-        seq_k, seq_v = kv_cache.gather(layer, seq.block_table, seq.context_len)
-        if group > 1:
-            seq_k = seq_k.repeat_interleave(group, dim=1)
-            seq_v = seq_v.repeat_interleave(group, dim=1)
-        # Query at position p attends to keys at positions 0..p.
-        key_positions = torch.arange(seq.context_len, device=q.device)
-        mask = key_positions[None, :] <= positions[seq.start : seq.end, None]
-        attended = F.scaled_dot_product_attention(
-            seq_q,
-            seq_k.transpose(0, 1).to(seq_q.dtype),
-            seq_v.transpose(0, 1).to(seq_q.dtype),
-            attn_mask=mask,
+    if len(layout.groups) == 1 and layout.groups[0].rows is None:
+        # Decodes only: the group's output rows are the packed rows.
+        return attend_group(q, layout.groups[0], kv_cache, layer).reshape(
+            num_tokens, num_heads * head_dim
         )
-        out[seq.start : seq.end] = attended.transpose(0, 1)
+    out = torch.empty_like(q)
+    for attention_group in layout.groups:
+        attended = attend_group(q, attention_group, kv_cache, layer)
+        if attention_group.valid is not None:
+            attended = attended[attention_group.valid]
+        assert attention_group.out_rows is not None
+        out.index_copy_(0, attention_group.out_rows, attended)
     return out.reshape(num_tokens, num_heads * head_dim)
