@@ -58,7 +58,11 @@ from sluice.observability.logs import LOG_FORMATS, configure_logging
 from sluice.streams.log import LogLimits
 from sluice.transports.delivery import DeliveryOptions
 from sluice.transports.http1.opener import Http1Limits
-from sluice.transports.http1.uvicorn_adapter import exit_without_reraise, protocol_class
+from sluice.transports.http1.uvicorn_adapter import (
+    SluiceWebSocketProtocol,
+    exit_without_reraise,
+    protocol_class,
+)
 from sluice.transports.http2 import Http2Options, check_tls
 
 if TYPE_CHECKING:
@@ -902,7 +906,7 @@ def serve(args: argparse.Namespace) -> int:
         http=protocol_class(app.opener, native=args.native_sse),
         # GET /v1/ws (sluice.gateway.websocket): pings keep idle sockets alive; a peer
         # that does not answer one within the send timeout is gone.
-        ws="websockets-sansio",
+        ws=SluiceWebSocketProtocol,
         ws_max_size=app.websockets.limits.max_message_bytes,
         ws_ping_interval=settings.delivery.heartbeat_interval_s,
         ws_ping_timeout=settings.delivery.send_timeout_s,
