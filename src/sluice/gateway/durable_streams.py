@@ -82,6 +82,15 @@ _COMMON = [
     (b"x-content-type-options", b"nosniff"),
     (b"cross-origin-resource-policy", b"cross-origin"),
 ]
+# A body over the limit is still read (and dropped) up to this much, so that its client
+# gets the 413; past it the connection is dropped.
+_MAX_DRAINED_BYTES = 64 * 1024 * 1024
+# What a page of another origin may read of an answer (when CORS lets it call at all).
+_EXPOSED = (
+    b"Stream-Next-Offset, Stream-Up-To-Date, Stream-Closed, Stream-Cursor, Stream-TTL, "
+    b"Stream-Expires-At, Stream-SSE-Data-Encoding, Producer-Epoch, Producer-Seq, "
+    b"Producer-Expected-Seq, Producer-Received-Seq, ETag, Location, Retry-After"
+)
 # Catch-up chunks short of the tail never change (section 10.1); a read that reached the
 # tail is revalidated (its ETag answers 304 while nothing was appended).
 _IMMUTABLE_CHUNK = "private, max-age=60, stale-while-revalidate=300"
@@ -130,7 +139,10 @@ class DurableStreamsApi:
         return path == PREFIX or path.startswith(PREFIX + "/")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        extra = self._cors.response_headers(scope["headers"])
+        extra = [
+            (name, _EXPOSED if name == b"access-control-expose-headers" else value)
+            for name, value in self._cors.response_headers(scope["headers"])
+        ]
         try:
             await self._serve(scope, receive, send, extra)
         except SluiceError as exc:
@@ -305,10 +317,13 @@ class DurableStreamsApi:
                 break
             part = message.get("body", b"")
             size += len(part)
-            if size > self._max_body_bytes:
-                raise PayloadTooLargeError(f"an append holds at most {self._max_body_bytes} bytes")
-            parts.append(part)
             more = message.get("more_body", False)
+            if size <= self._max_body_bytes:
+                parts.append(part)
+            elif not more or size > _MAX_DRAINED_BYTES:
+                # Read to the end first: a client still sending when the answer comes back
+                # sees a reset connection instead of the 413.
+                raise PayloadTooLargeError(f"a body holds at most {self._max_body_bytes} bytes")
         return b"".join(parts)
 
     # -- read side --------------------------------------------------------------------------
@@ -549,8 +564,8 @@ class DurableStreamsApi:
                         )
                         sent_control = True
                     left_s = deadline - loop.time()
-                    if left_s <= 0 or not await reader.wait(left_s):
-                        break
+                    if reader.interrupted or left_s <= 0 or not await reader.wait(left_s):
+                        break  # dropped by the server, or long enough: the client resumes
             await send({"type": "http.response.body", "body": b""})
         except (OSError, ResumeGapError):
             pass  # the client left mid-write, or the log dropped the position: it resumes
