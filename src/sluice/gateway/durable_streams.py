@@ -523,7 +523,7 @@ class DurableStreamsApi:
             )
             async with watching_disconnect(receive, left):
                 sent_control = False
-                while not gone:
+                while not gone and not reader.interrupted:  # dropped: the client resumes
                     batch = self._batch(view, reader.after_seq)
                     if batch.events:
                         reader.after_seq = batch.last_seq
@@ -564,8 +564,8 @@ class DurableStreamsApi:
                         )
                         sent_control = True
                     left_s = deadline - loop.time()
-                    if reader.interrupted or left_s <= 0 or not await reader.wait(left_s):
-                        break  # dropped by the server, or long enough: the client resumes
+                    if left_s <= 0 or not await reader.wait(left_s):
+                        break  # long enough (section 10.2): the client reconnects
             await send({"type": "http.response.body", "body": b""})
         except (OSError, ResumeGapError):
             pass  # the client left mid-write, or the log dropped the position: it resumes
