@@ -99,6 +99,7 @@ async def test_a_put_of_another_configuration_conflicts(durable: DurableStreams)
     await durable.create("a", "/s", Config("text/plain", ttl_s=60), [], False)
     same, created = await durable.create("a", "/s", Config("TEXT/PLAIN", ttl_s=60), [], False)
     assert not created
+    assert same.content_type == "text/plain"
     for other in (Config("application/json", ttl_s=60), Config("text/plain"), TEXT):
         with pytest.raises(DurableStreamError) as refused:
             await durable.create("a", "/s", other, [], False)
@@ -174,7 +175,7 @@ async def test_a_sub_offset_past_the_next_record_is_refused(durable: DurableStre
     await durable.create("a", "/src", TEXT, [Payload(b"hi")], False)
     with pytest.raises(InvalidParameterError):
         await durable.create("a", "/f", Config(None, fork=Fork("/src", 0, 3)), [], False)
-    fork, _ = await durable.create("a", "/f", Config(None, fork=Fork("/src", 0, 2)), [], False)
+    await durable.create("a", "/f", Config(None, fork=Fork("/src", 0, 2)), [], False)
     assert text(durable, "a", "/f") == b"hi"
     with pytest.raises(InvalidParameterError):  # nothing after the tail to cut
         await durable.create("a", "/g", Config(None, fork=Fork("/src", 1, 1)), [], False)
