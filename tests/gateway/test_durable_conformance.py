@@ -37,8 +37,19 @@ def test_conformance_suite_passes_every_test_it_runs(tmp_path: Path) -> None:
     )
     report = tmp_path / "vitest.json"
     # A short long-poll hold, as the suite's own runs of the reference server use (500 ms):
-    # its tests that wait out a 204 have vitest's default timeout.
-    options = ("--no-model", "--ds-long-poll", "0.5", "--cors-origin", "*")
+    # its tests that wait out a 204 have vitest's default timeout. A long keep-alive: Node's
+    # fetch reuses a socket idle for 5 s as the server closes it (uvicorn's default, with no
+    # Keep-Alive hint) and fails a PUT with "other side closed"; the suite idles 5 s in
+    # its TTL tests. The CORS origin: its preflight test asks from https://example.com.
+    options = (
+        "--no-model",
+        "--ds-long-poll",
+        "0.5",
+        "--keep-alive-timeout",
+        "75",
+        "--cors-origin",
+        "*",
+    )
     with ServerProcess(*options) as server:
         server.wait_ready()
         env = {**os.environ, "SLUICE_DS_BASE_URL": f"{server.base_url}/v1/ds"}

@@ -48,7 +48,7 @@ async def test_records_are_in_the_hubs_log_and_counted_in_its_budget(
     assert memory.bytes_of("a") >= 8192
     assert durable.hub.log.last_seq(stream.log_id) == 2
     assert memory.num_live_of("a") == 0  # it pins no model slot: held as a retained log
-    await durable.delete(stream)
+    durable.delete(stream)
     assert memory.bytes_of("a") == 0
     with pytest.raises(StreamNotFoundError):
         durable.get("a", "/s")
@@ -157,13 +157,13 @@ async def test_a_fork_copies_up_to_its_offset_and_keeps_its_source_soft_deleted(
     fork, _ = await durable.create("a", "/fork", fork_config, [Payload(b"!")], False)
     assert fork.content_type == "text/plain"
     assert text(durable, "a", "/fork") == b"hello wo!"
-    await durable.delete(source)
+    durable.delete(source)
     with pytest.raises(DurableStreamError) as gone:
         durable.get("a", "/src")
     assert gone.value.status == 410
     with pytest.raises(DurableStreamError):  # the path stays taken while forks name it
         await durable.create("a", "/src", TEXT, [], False)
-    await durable.delete(fork)
+    durable.delete(fork)
     with pytest.raises(StreamNotFoundError):  # its last fork gone, the source goes too
         durable.get("a", "/src")
     assert durable.hub.memory.bytes_of("a") == 0

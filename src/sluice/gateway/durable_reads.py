@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from sluice.errors import InvalidParameterError, ResumeGapError
+from sluice.errors import InvalidParameterError, ResumeGapError, StreamNotFoundError
 from sluice.events import NeutralEvent, Payload, is_terminal
 from sluice.streams.durable import DurableStream, DurableStreams
 from sluice.streams.hub import Stream, StreamHub
@@ -90,10 +90,10 @@ class DurableReads:
             return view.durable.closed
         if tail == 0:
             return False
-        with contextlib.suppress(ResumeGapError):
+        with contextlib.suppress(ResumeGapError):  # the newest record is never trimmed
             last = self._hub.log.read(view.log_id, tail - 1, 1)
             return bool(last.events) and is_terminal(last.events[-1])
-        return True
+        return False
 
     async def head(self, send: Send, extra: list[tuple[bytes, bytes]], view: ReadView) -> None:
         tail = self._tail(view.log_id)
@@ -263,8 +263,7 @@ class DurableReads:
         if not is_text(view.content_type):
             headers.append((b"stream-sse-data-encoding", b"base64"))
         cursor = cursor_after(client_cursor)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._options.sse_connection_s
+        deadline = asyncio.get_running_loop().time() + self._options.sse_connection_s
         try:
             await send(
                 {
@@ -274,55 +273,57 @@ class DurableReads:
                 }
             )
             async with watching_disconnect(receive, left):
-                sent_control = False
-                while not gone and not reader.interrupted:  # dropped: the client resumes
-                    batch = self._batch(view, reader.after_seq)
-                    if batch.events:
-                        reader.after_seq = batch.last_seq
-                        next_seq = batch.last_seq
-                        closed = self.closed_at(view, next_seq)
-                        frames = data_frame(self._encode(view, batch), view.content_type)
-                        frames += control_frame(
-                            format_offset(next_seq),
-                            cursor=cursor,
-                            up_to_date=next_seq >= self._tail(view.log_id),
-                            closed=closed,
-                        )
-                        await _write(send, frames)
-                        sent_control = True
-                        if closed:
-                            break
-                        continue
-                    position = reader.after_seq
-                    if self.closed_at(view, position) or (
-                        view.durable is not None and view.durable.gone
-                    ):
-                        await _write(
-                            send,
-                            control_frame(
-                                format_offset(position), cursor=None, up_to_date=True, closed=True
-                            ),
-                        )
-                        break
-                    if not sent_control:
-                        await _write(
-                            send,
-                            control_frame(
-                                format_offset(position),
-                                cursor=cursor,
-                                up_to_date=True,
-                                closed=False,
-                            ),
-                        )
-                        sent_control = True
-                    left_s = deadline - loop.time()
-                    if left_s <= 0 or not await reader.wait(left_s):
-                        break  # long enough (section 10.2): the client reconnects
+                await self._follow(send, view, reader, cursor, deadline, lambda: gone)
             await send({"type": "http.response.body", "body": b""})
-        except (OSError, ResumeGapError):
-            pass  # the client left mid-write, or the log dropped the position: it resumes
+        except OSError:
+            pass  # the client left mid-write
         finally:
             reader.close()
+
+    async def _follow(
+        self,
+        send: Send,
+        view: ReadView,
+        reader: Reader,
+        cursor: str,
+        deadline: float,
+        client_gone: Callable[[], bool],
+    ) -> None:
+        """Write the SSE events of ``reader``'s records until the stream closes (the last
+        control event says so), the client leaves, the server drops the reader, the stream
+        is deleted, its log no longer holds the position, or ``deadline`` (loop time)."""
+        loop = asyncio.get_running_loop()
+        durable = view.durable
+        sent_control = False
+        while not client_gone() and not reader.interrupted:
+            if durable is not None and (durable.gone or durable.deleted):
+                return  # its reconnect gets the 404 or 410
+            try:
+                batch = self._batch(view, reader.after_seq)
+            except (ResumeGapError, StreamNotFoundError):
+                return  # its reconnect gets the 410 or 404
+            position = batch.last_seq if batch.events else reader.after_seq
+            reader.after_seq = position
+            closed = self.closed_at(view, position)
+            if batch.events or closed or not sent_control:
+                frames = b""
+                if batch.events:
+                    frames = data_frame(self._encode(view, batch), view.content_type)
+                frames += control_frame(
+                    format_offset(position),
+                    cursor=cursor,
+                    up_to_date=position >= self._tail(view.log_id),
+                    closed=closed,
+                )
+                await _write(send, frames)
+                sent_control = True
+                if closed:
+                    return
+                if batch.events:
+                    continue
+            left_s = deadline - loop.time()
+            if left_s <= 0 or not await reader.wait(left_s):
+                return  # long enough (section 10.2): the client reconnects
 
 
 def _llm_body(stream_id: str, first_seq: int, events: Sequence[NeutralEvent]) -> bytes:

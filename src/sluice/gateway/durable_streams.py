@@ -151,7 +151,7 @@ class DurableStreamsApi:
                 return
             if method == "DELETE":
                 stream_ = self._streams.get(tenant, path, touch=False)
-                await self._streams.delete(stream_)
+                self._streams.delete(stream_)
                 await respond(send, 204, extra)
                 return
             if method not in ("GET", "HEAD"):

@@ -151,8 +151,6 @@ class DurableStreams:
         self._hub = hub
         self._streams: dict[tuple[str, str], DurableStream] = {}
         self._by_log: dict[str, DurableStream] = {}
-        # Expiries in progress (a timer's callback cannot await): held until they end.
-        self._expiring: set[asyncio.Task[None]] = set()
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -185,8 +183,8 @@ class DurableStreams:
         existing = self._streams.get((tenant, path))
         deadline = None if existing is None else existing.deadline
         if existing is not None and deadline is not None and time.monotonic() >= deadline:
-            await self._expire(existing)
-            existing = None
+            self.delete(existing)  # expired, its timer not yet run
+            existing = None if existing.gone else existing
         source: DurableStream | None = None
         fork: tuple[str, int, int] | None = None
         prefix: list[NeutralEvent] = []
@@ -347,9 +345,9 @@ class DurableStreams:
 
     # -- delete and expiry ------------------------------------------------------------------
 
-    async def delete(self, stream: DurableStream) -> None:
+    def delete(self, stream: DurableStream) -> None:
         """Delete the stream: soft while forks name it, else for good (and its source, if
-        that was soft-deleted and this was its last fork)."""
+        that was soft-deleted and this was its last fork, and so on up the chain)."""
         if stream.num_forks > 0:
             stream.deleted = True
             if stream.timer is not None:
@@ -358,16 +356,12 @@ class DurableStreams:
             stream.deadline = None
             stream.wake_readers()
             return
-        current: DurableStream | None = stream
-        while current is not None:
-            source = current.source
-            await self._drop(current)
-            if source is None:
-                break
-            source.num_forks -= 1
-            current = source if source.deleted and source.num_forks == 0 else None
+        self._drop(stream)
+        self._hub.delete_stored(stream.log_id)
 
-    async def _drop(self, stream: DurableStream) -> None:
+    def _drop(self, stream: DurableStream) -> None:
+        """Forget the stream (its log is deleted, or evicted, by the hub), and release its
+        source, which goes too if it was soft-deleted and this was its last fork."""
         stream.gone = True
         if stream.timer is not None:
             stream.timer.cancel()
@@ -376,21 +370,18 @@ class DurableStreams:
             del self._streams[(stream.tenant, stream.path)]
         self._by_log.pop(stream.log_id, None)
         stream.wake_readers()
-        await self._hub.delete_stored(stream.log_id)
+        source = stream.source
+        if source is not None and not source.gone:
+            source.num_forks -= 1
+            if source.deleted and source.num_forks == 0:
+                self._drop(source)
+                self._hub.delete_stored(source.log_id)
 
     def _evicted(self, log_id: str) -> None:
         """The memory budget evicted the stream's log: it is gone as if deleted."""
-        stream = self._by_log.pop(log_id, None)
-        if stream is None:
-            return
-        stream.gone = True
-        if stream.timer is not None:
-            stream.timer.cancel()
-        if self._streams.get((stream.tenant, stream.path)) is stream:
-            del self._streams[(stream.tenant, stream.path)]
-        if stream.source is not None:
-            stream.source.num_forks -= 1
-        stream.wake_readers()
+        stream = self._by_log.get(log_id)
+        if stream is not None:
+            self._drop(stream)
 
     def _touch(self, stream: DurableStream) -> None:
         """A read or write: the TTL starts again; (re)arm the expiry timer."""
@@ -414,13 +405,7 @@ class DurableStreams:
             loop = asyncio.get_running_loop()
             stream.timer = loop.call_at(_loop_time(stream.deadline), self._timer_fired, stream)
             return
-        task = asyncio.get_running_loop().create_task(self._expire(stream))
-        self._expiring.add(task)
-        task.add_done_callback(self._expiring.discard)
-
-    async def _expire(self, stream: DurableStream) -> None:
-        if not stream.gone and not stream.deleted:
-            await self.delete(stream)
+        self.delete(stream)  # expired: as if deleted
 
     # -- readers ----------------------------------------------------------------------------
 

@@ -542,6 +542,12 @@ class StreamHub:
         budget = self._budget
         settings = self.settings
         refusal = budget.refusal(tenant)
+        if refusal == TENANT_LOG_BYTES:
+            raise TenantLimitError(
+                f"the live streams of tenant {tenant!r} fill its share of the event logs",
+                tenant=tenant,
+                retry_after_s=settings.retry_after_s,
+            )
         if refusal is not None:
             raise CapacityError(
                 "the event logs of the live streams fill this server's memory budget",
@@ -568,11 +574,13 @@ class StreamHub:
                 await self._evict(*victim)
         return last_seq
 
-    async def delete_stored(self, log_id: str) -> None:
-        """Delete a stored log (idempotent)."""
+    def delete_stored(self, log_id: str) -> None:
+        """Delete a stored log (idempotent): it leaves the budget now, and its log is
+        deleted in the hub's task group (as a finished stream's is when its retention ends)."""
         if self._stored.pop(log_id, None) is not None:
             self._budget.forget(log_id)
-            await self._log.delete(log_id)
+            if self._task_group is not None:
+                self._task_group.create_task(self._log.delete(log_id))
 
     # ------------------------------------------------------------------ memory
 
