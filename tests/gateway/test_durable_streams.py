@@ -5,6 +5,7 @@ read-only; and durable streams private to their tenant."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -175,3 +176,42 @@ def test_durable_streams_belong_to_their_tenant() -> None:
         llm = f"{server.base_url}/v1/ds/streams/{stream_id}"
         assert httpx.get(llm, headers=bob, params={"offset": "-1"}).status_code == 404
         assert httpx.get(llm, headers=alice, params={"offset": "-1"}).status_code == 200
+
+
+def wait_for_readers(server: ServerProcess, stream_id: str, count: int) -> None:
+    """Poll ``GET /v1/streams/{id}`` until the stream has ``count`` readers (10 s at most)."""
+    deadline = time.monotonic() + 10
+    described: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        described = httpx.get(f"{server.base_url}/v1/streams/{stream_id}").json()
+        if described["readers"] == count:
+            return
+        time.sleep(0.02)  # polling an observable condition with a deadline
+    raise AssertionError(f"the stream never had {count} readers: {described}")
+
+
+def test_a_client_leaving_mid_read_releases_its_reader() -> None:
+    """An SSE read and a held long-poll are the stream's readers; a client that goes away
+    mid-read leaves none behind, and the (resumable) generation goes on."""
+    with ServerProcess("--no-model") as server:
+        server.wait_ready()
+        long_text = " ".join(f"w{i}" for i in range(300))  # a minute at 200 ms a word
+        stream_id = create(server, prompt=long_text, interval_ms=200, grace_s=30)
+        url = f"{server.base_url}/v1/ds/streams/{stream_id}"
+        with httpx.stream("GET", url, params={"offset": "-1", "live": "sse"}) as sse:
+            assert sse.status_code == 200
+            assert sse.headers["content-type"] == "text/event-stream"
+            chunks = sse.iter_raw()  # held: dropping the iterator would close the response
+            assert b"event: data" in next(chunks)
+            wait_for_readers(server, stream_id, 1)
+        wait_for_readers(server, stream_id, 0)
+        # A word a minute: a long-poll at the tail is held (past its client's patience).
+        slow_id = create(server, prompt=long_text, interval_ms=60_000, grace_s=30)
+        slow = f"{server.base_url}/v1/ds/streams/{slow_id}"
+        params = {"offset": "now", "live": "long-poll"}
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up while the poll is held
+            httpx.get(slow, params=params, timeout=1)
+        wait_for_readers(server, slow_id, 0)
+        for held in (stream_id, slow_id):
+            described = httpx.get(f"{server.base_url}/v1/streams/{held}").json()
+            assert described["state"] == "running"
