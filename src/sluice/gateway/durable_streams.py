@@ -42,7 +42,6 @@ from sluice.streams.durable import (
     DurableStream,
     DurableStreams,
     Fork,
-    ProducerRequest,
 )
 from sluice.streams.hub import StreamHub
 from sluice.streams.ids import is_stream_id
@@ -50,6 +49,7 @@ from sluice.transports.asgi import Receive, Scope, Send
 from sluice.transports.durable import (
     NOW,
     DurableOptions,
+    essence,
     format_offset,
     is_json,
     json_messages,
@@ -242,17 +242,16 @@ class DurableStreamsApi:
         headers: _Headers,
     ) -> None:
         close = _is_true(headers.get("stream-closed"))
-        parsed = parse_producer(
+        producer = parse_producer(
             headers.get("producer-id"), headers.get("producer-epoch"), headers.get("producer-seq")
         )
-        producer = None if parsed is None else ProducerRequest(parsed.id, parsed.epoch, parsed.seq)
         body = await self._body(receive)
         records: list[Payload] = []
         if body:
             content_type = headers.get("content-type")
             if not content_type:
                 raise InvalidParameterError("an append needs a Content-Type", "Content-Type")
-            if not stream.closed and _media(content_type) != _media(stream.content_type):
+            if not stream.closed and essence(content_type) != essence(stream.content_type):
                 raise DurableStreamError(
                     f"the stream's content type is {stream.content_type}",
                     stream_id=stream.path,
@@ -319,10 +318,6 @@ def _tenant(caller: Caller) -> str:
 def _is_true(value: str | None) -> bool:
     """``Stream-Closed`` counts only as ``true``, in any case (section 4.1)."""
     return value is not None and value.strip().lower() == "true"
-
-
-def _media(content_type: str) -> str:
-    return content_type.split(";", 1)[0].strip().lower()
 
 
 def _records(body: bytes, json_mode: bool, *, allow_empty_array: bool) -> list[Payload]:

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sluice.errors import InvalidParameterError
-from sluice.streams.durable import compact_json
+from sluice.streams.durable import ProducerRequest, compact_json
 
 __all__ = [
     "CURSOR_EPOCH_S",
@@ -41,7 +41,6 @@ __all__ = [
     "MAX_SAFE_INTEGER",
     "NOW",
     "DurableOptions",
-    "Producer",
     "control_frame",
     "cursor_after",
     "data_frame",
@@ -143,16 +142,7 @@ def parse_expires_at(text: str) -> float:
     return when.timestamp()
 
 
-@dataclass(frozen=True, slots=True)
-class Producer:
-    """An idempotent producer's request headers (section 5.2.1)."""
-
-    id: str
-    epoch: int
-    seq: int
-
-
-def parse_producer(id: str | None, epoch: str | None, seq: str | None) -> Producer | None:
+def parse_producer(id: str | None, epoch: str | None, seq: str | None) -> ProducerRequest | None:
     """The three producer headers, all or none (``400`` otherwise)."""
     if id is None and epoch is None and seq is None:
         return None
@@ -162,7 +152,7 @@ def parse_producer(id: str | None, epoch: str | None, seq: str | None) -> Produc
         )
     if not id:
         raise InvalidParameterError("Producer-Id: empty", "Producer-Id")
-    return Producer(id, strict_int(epoch, "Producer-Epoch"), strict_int(seq, "Producer-Seq"))
+    return ProducerRequest(id, strict_int(epoch, "Producer-Epoch"), strict_int(seq, "Producer-Seq"))
 
 
 def essence(content_type: str) -> str:
