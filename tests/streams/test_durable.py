@@ -13,7 +13,14 @@ from sluice.backends.words import WordsBackend
 from sluice.errors import DurableStreamError, InvalidParameterError, StreamNotFoundError
 from sluice.events import Payload
 from sluice.streams import HubSettings, MemoryEventLog, StreamHub
-from sluice.streams.durable import Append, Config, DurableStreams, Fork, ProducerRequest
+from sluice.streams.durable import (
+    MAX_PRODUCERS_PER_STREAM,
+    Append,
+    Config,
+    DurableStreams,
+    Fork,
+    ProducerRequest,
+)
 from sluice.streams.reader import wait_for_record
 
 pytestmark = pytest.mark.anyio
@@ -179,3 +186,16 @@ async def test_a_sub_offset_past_the_next_record_is_refused(durable: DurableStre
     assert text(durable, "a", "/f") == b"hi"
     with pytest.raises(InvalidParameterError):  # nothing after the tail to cut
         await durable.create("a", "/g", Config(None, fork=Fork("/src", 1, 1)), [], False)
+
+
+async def test_producer_state_is_bounded_per_stream(durable: DurableStreams) -> None:
+    stream, _ = await durable.create("a", "/many", TEXT, [], False)
+    for i in range(MAX_PRODUCERS_PER_STREAM + 1):
+        request = Append([Payload(b".")], producer=ProducerRequest(f"p{i}", 0, 0))
+        assert (await durable.append(stream, request)).status == 200
+    assert len(stream.producers) == MAX_PRODUCERS_PER_STREAM
+    assert "p0" not in stream.producers  # the least recent is forgotten: new again
+    again = await durable.append(
+        stream, Append([Payload(b"!")], producer=ProducerRequest("p0", 0, 0))
+    )
+    assert again.status == 200

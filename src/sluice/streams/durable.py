@@ -41,6 +41,7 @@ from sluice.streams.hub import StreamHub
 from sluice.streams.reader import Reader
 
 __all__ = [
+    "MAX_PRODUCERS_PER_STREAM",
     "Append",
     "Appended",
     "Config",
@@ -52,6 +53,9 @@ __all__ = [
 ]
 
 _CLOSED = (("Stream-Closed", "true"),)
+# Idempotent producers remembered per stream: past it the one heard from least recently is
+# forgotten, and is treated as new if it comes back (section 5.2.1 lets state expire).
+MAX_PRODUCERS_PER_STREAM = 1024
 
 
 def compact_json(value: object) -> bytes:
@@ -306,7 +310,11 @@ class DurableStreams:
             if request.stream_seq is not None:
                 stream.stream_seq = request.stream_seq
             if producer is not None and accepted is not None:
-                stream.producers[producer.id] = accepted
+                producers = stream.producers
+                producers.pop(producer.id, None)  # re-inserted: the most recent last
+                if len(producers) >= MAX_PRODUCERS_PER_STREAM:
+                    del producers[next(iter(producers))]
+                producers[producer.id] = accepted
             if request.close:
                 stream.closed = True
                 if producer is not None:
