@@ -285,7 +285,7 @@ class DurableStreams:
                     producer.epoch,
                     producer.seq,
                 ):
-                    state = stream.producers[producer.id]
+                    state = stream.producers.get(producer.id)
                     return Appended(204, tail, True, state)
                 if not request.records:
                     return Appended(204, tail, True)
@@ -299,7 +299,7 @@ class DurableStreams:
             if producer is not None:
                 accepted = self._check_producer(stream, producer)
                 if accepted is None:  # a duplicate: already appended
-                    state = stream.producers[producer.id]
+                    state = stream.producers.get(producer.id)
                     return Appended(204, log.last_seq(stream.log_id), False, state)
             if request.stream_seq is not None:
                 last = stream.stream_seq
