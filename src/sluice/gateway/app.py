@@ -35,6 +35,7 @@ from sluice.gateway.admin import AdminApi
 from sluice.gateway.auth import Auth
 from sluice.gateway.compat import CompatAPI
 from sluice.gateway.cors import CorsMiddleware, CorsPolicy
+from sluice.gateway.durable_streams import DurableStreamsApi
 from sluice.gateway.errors import error_response, response_for
 from sluice.gateway.hosts import HostPolicy
 from sluice.gateway.limits import check_head
@@ -47,6 +48,7 @@ from sluice.gateway.settings import Settings
 from sluice.gateway.streaming import EventStreams
 from sluice.gateway.websocket import WebSockets
 from sluice.runtime import Resource, Runtime
+from sluice.streams.durable import DurableStreams
 from sluice.transports.asgi import Receive, Scope, Send
 from sluice.transports.http2 import serving_http2
 
@@ -116,6 +118,16 @@ class SluiceApp:
         dashboard = package_data.files("sluice.web").joinpath("dashboard.html").read_text("utf-8")
         admin = AdminApi(rollouts, self.auth, dashboard, self.metrics)
         polls = LongPolls(self.hub, self.metrics, self.auth)
+        # /v1/ds/: the Durable Streams protocol, on the hub's logs (sluice.gateway.durable_streams).
+        self.durable = DurableStreams(self.hub)
+        self._durable_api = DurableStreamsApi(
+            self.hub,
+            self.durable,
+            self.auth,
+            self.cors,
+            settings.durable,
+            settings.http.max_body_bytes,
+        )
         self._framework = Starlette(
             routes=[
                 Route("/", api.page, methods=["GET"]),
@@ -169,6 +181,9 @@ class SluiceApp:
                 return
             if self.cors.is_preflight(scope):
                 await self.cors.preflight(scope, receive, send)
+                return
+            if DurableStreamsApi.serves_path(scope["path"]):
+                await self._durable_api(scope, receive, send)
                 return
             if EventStreams.serves_path(scope["path"]):
                 if scope["method"] == "GET":

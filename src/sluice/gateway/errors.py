@@ -14,6 +14,7 @@ from sluice.errors import (
     BadEventIdError,
     BadRequestError,
     CapacityError,
+    DurableStreamError,
     ResumeGapError,
     RolloutError,
     SluiceError,
@@ -112,6 +113,9 @@ def answer_for(exc: SluiceError) -> ErrorAnswer:
         return ErrorAnswer(401, "invalid_api_key", message, {"WWW-Authenticate": WWW_AUTHENTICATE})
     if isinstance(exc, StreamNotFoundError):
         return ErrorAnswer(404, "stream_not_found", message)
+    if isinstance(exc, DurableStreamError):
+        code = _DURABLE_CODES.get(exc.status, "conflict")
+        return ErrorAnswer(exc.status, code, message, dict(exc.headers))
     if isinstance(exc, UnknownModelError):
         return ErrorAnswer(404, "model_not_found", message)
     if isinstance(exc, PayloadTooLargeError):
@@ -137,6 +141,10 @@ def answer_for(exc: SluiceError) -> ErrorAnswer:
     if isinstance(exc, CapacityError):
         return ErrorAnswer(503, "overloaded", message, _retry(exc))
     return ErrorAnswer(500, "internal_error", "internal server error")
+
+
+# The codes of the Durable Streams protocol's refusals, by status.
+_DURABLE_CODES = {403: "stale_producer_epoch", 409: "conflict", 410: "stream_gone"}
 
 
 def _retry(exc: CapacityError) -> dict[str, str]:

@@ -32,8 +32,7 @@ from sluice.gateway.errors import response_for
 from sluice.observability.metrics import Metrics
 from sluice.streams.hub import StreamHub
 from sluice.streams.ids import is_stream_id
-from sluice.transports.disconnect import watching_disconnect
-from sluice.transports.longpoll import encode_poll, hold, parse_poll_query
+from sluice.transports.longpoll import encode_poll, parse_poll_query, poll_once
 
 __all__ = ["LongPolls"]
 
@@ -75,10 +74,6 @@ class LongPolls:
             raise InvalidParameterError(f"after: {exc}", "after") from exc
         if reader is None:
             return Response(status_code=204, headers=_HEADERS)
-        try:
-            async with watching_disconnect(request.receive, reader.wake):
-                batch = await hold(reader, wanted.timeout_s)
-        finally:
-            reader.close()
+        batch = await poll_once(reader, request.receive, wanted.timeout_s)
         body = encode_poll(stream_id, batch, after_seq=wanted.after_seq, done=reader.done)
         return Response(body, media_type="application/json", headers=_HEADERS)

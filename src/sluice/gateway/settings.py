@@ -11,6 +11,7 @@ from sluice.gateway.hosts import parse_allowed_host
 from sluice.streams.hub import HubSettings
 from sluice.streams.log import LogLimits
 from sluice.transports.delivery import DeliveryOptions
+from sluice.transports.durable import DurableOptions
 from sluice.transports.http1.opener import Http1Limits
 from sluice.transports.http2 import Http2Options
 
@@ -60,6 +61,8 @@ class Settings:
     # most. Bodies are at most max_body_bytes (1 MiB): 30 s asks 35 KB/s of the largest one,
     # a few KB/s of a typical request (see sluice.transports.http1.deadline).
     http: Http1Limits = field(default_factory=Http1Limits)
+    # The Durable Streams protocol under /v1/ds/: long-poll hold, SSE connection length.
+    durable: DurableOptions = field(default_factory=DurableOptions)
     # Stream lifecycle
     default_grace_s: float = 15.0
     retention_s: float = 300.0

@@ -33,6 +33,12 @@ producer:
   ``max_tokens``), not as an error that SDKs raise and whose text they drop.
   ``StreamObserver.limited`` tells metrics which limit it was.
 
+**Stored logs** (:meth:`StreamHub.open_stored`): a log no generation writes, whose records a
+client appends (a durable stream's, :mod:`sluice.streams.durable`). It is in the same log and
+budget as every stream's and counts as a retained one: evictable, oldest first, with the
+same bounds; the hub never cancels or expires it (its owner deletes it), and tells its
+owner when the budget evicts it.
+
 Producer tasks live in the hub's task group (entered by :meth:`StreamHub.running`); grace
 and retention are loop timers, not tasks, so a held idle stream costs no task of its own
 beyond its producer.
@@ -45,7 +51,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -215,6 +221,14 @@ class Stream:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class _StoredLog:
+    """A stored log's owner: its tenant, and what to call when the budget evicts it."""
+
+    tenant: str
+    on_evicted: Callable[[str], None]
+
+
 def _log_fields(stream: Stream) -> dict[str, object]:
     """The ``extra=`` of a log record about ``stream`` (fields of the JSON log lines)."""
     return {"stream_id": stream.id, "model": stream.model, "tenant": stream.tenant}
@@ -237,6 +251,7 @@ class StreamHub:
         self._backends = dict(backends)
         self.settings = settings or HubSettings()
         self._streams: dict[str, Stream] = {}
+        self._stored: dict[str, _StoredLog] = {}  # by log id (see open_stored)
         settings = self.settings
         self._budget = LogBudget(
             budget_bytes=settings.log_budget_bytes,
@@ -325,6 +340,7 @@ class StreamHub:
             if stream.deadline is not None:
                 stream.deadline.cancel()
         self._streams.clear()
+        self._stored.clear()
         self._budget.clear()
         await self._log.aclose()
 
@@ -515,6 +531,57 @@ class StreamHub:
         if self._budget.resized(stream.id, self._log.num_bytes(stream.id)):
             await self._make_room(stream)
 
+    # ------------------------------------------------------------------ stored logs
+
+    async def open_stored(self, tenant: str, on_evicted: Callable[[str], None]) -> str:
+        """A new empty log for ``tenant`` that no generation writes (see the module
+        docstring); returns its id. Refused as a stream's creation is when the live
+        streams fill the budget; ``on_evicted(log_id)`` is called if the budget evicts it."""
+        if self._draining:
+            raise CapacityError("the server is shutting down", retry_after_s=1.0)
+        budget = self._budget
+        settings = self.settings
+        refusal = budget.refusal(tenant)
+        if refusal == TENANT_LOG_BYTES:
+            raise TenantLimitError(
+                f"the live streams of tenant {tenant!r} fill its share of the event logs",
+                tenant=tenant,
+                retry_after_s=settings.retry_after_s,
+            )
+        if refusal is not None:
+            raise CapacityError(
+                "the event logs of the live streams fill this server's memory budget",
+                retry_after_s=settings.retry_after_s,
+                reason=refusal,
+            )
+        await self._make_room_for_new(tenant)
+        log_id = new_stream_id()
+        await self._log.create(log_id)
+        self._stored[log_id] = _StoredLog(tenant, on_evicted)
+        budget.opened(log_id, tenant, self._log.num_bytes(log_id))
+        for victim in budget.retain(log_id):
+            await self._evict(*victim)
+        return log_id
+
+    async def append_stored(self, log_id: str, events: Sequence[NeutralEvent]) -> int:
+        """Append to a stored log; returns the seq of the last event. Retained streams of
+        its tenant (then of all) are evicted when the budget needs room, never this log."""
+        last_seq = await self._log.append(log_id, events)
+        owner = self._stored.get(log_id)
+        budget = self._budget
+        if owner is not None and budget.resized(log_id, self._log.num_bytes(log_id)):
+            while (victim := budget.victim(owner.tenant)) is not None and victim[0] != log_id:
+                await self._evict(*victim)
+        return last_seq
+
+    def delete_stored(self, log_id: str) -> None:
+        """Delete a stored log (idempotent): it leaves the budget now, and its log is
+        deleted in the hub's task group (as a finished stream's is when its retention ends)."""
+        if self._stored.pop(log_id, None) is not None:
+            self._budget.forget(log_id)
+            if self._task_group is not None:
+                self._task_group.create_task(self._log.delete(log_id))
+
     # ------------------------------------------------------------------ memory
 
     async def _make_room_for_new(self, tenant: str) -> None:
@@ -544,6 +611,13 @@ class StreamHub:
 
     async def _evict(self, stream_id: str, reason: str) -> None:
         """Drop a retained stream before its retention ends, as if it had ended."""
+        stored = self._stored.pop(stream_id, None)
+        if stored is not None:
+            self._budget.forget(stream_id, evicted_for=reason)
+            logger.debug("stored log %s: evicted (%s)", stream_id, reason)
+            stored.on_evicted(stream_id)
+            await self._log.delete(stream_id)
+            return
         stream = self._streams.pop(stream_id)
         if stream.timer is not None:
             stream.timer.cancel()

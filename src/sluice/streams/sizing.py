@@ -72,7 +72,7 @@ def event_bytes(event: NeutralEvent) -> int:
     for name in event.__slots__:
         value = getattr(event, name)
         # Strings, and ints but the small ones every int shares.
-        if isinstance(value, str) or (type(value) is int and not -5 <= value <= 256):
+        if isinstance(value, str | bytes) or (type(value) is int and not -5 <= value <= 256):
             total += _block(sys.getsizeof(value))
     return total
 

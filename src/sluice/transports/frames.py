@@ -35,7 +35,7 @@ import orjson
 
 from sluice.dialects.registry import NATIVE, dialect
 from sluice.errors import BadEventIdError, ResumeGapError
-from sluice.events import Error, NeutralEvent, RenderMeta, TextDelta
+from sluice.events import Error, NeutralEvent, Payload, RenderMeta, TextDelta
 from sluice.sse import EventEncoder, encode_event
 from sluice.streams.ids import event_id
 from sluice.streams.log import Batch, EventLog
@@ -259,6 +259,9 @@ class FrameCache:
         entry = self._streams.get(stream_id)
         if entry is None:
             if stream_id in self._unencoded:
+                return 0
+            if events and type(events[0]) is Payload:  # a durable stream's: read as is
+                self._unencoded.add(stream_id)
                 return 0
             entry = self._streams[stream_id] = _Frames(NativeEncoder(stream_id), first_seq)
         frames = entry.encoded

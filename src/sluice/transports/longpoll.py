@@ -12,8 +12,11 @@ the native dialect's (:mod:`sluice.transports.native_json`), with the ids every 
 uses, so a client may switch between SSE, WebSocket and long-poll with the same cursor.
 
 This module holds the query's rules, the answer's encoding (sans-IO) and the hold: read,
-else wait once for the log (:meth:`~sluice.streams.reader.Reader.wait`), then read. The
-gateway (:mod:`sluice.gateway.longpoll`) decides who may poll what.
+else wait once for the log (:meth:`~sluice.streams.reader.Reader.wait`), then read, while
+watching for the client leaving (:func:`poll_once`). The gateway
+(:mod:`sluice.gateway.longpoll`) decides who may poll what. The Durable Streams long-poll
+(``live=long-poll``, :mod:`sluice.gateway.durable_streams`) holds its requests with the same
+:func:`poll_once`.
 
 Deliberate choices:
 
@@ -36,6 +39,8 @@ from sluice.errors import BadEventIdError, InvalidParameterError
 from sluice.streams.ids import parse_position
 from sluice.streams.log import Batch
 from sluice.streams.reader import Reader
+from sluice.transports.asgi import Receive
+from sluice.transports.disconnect import watching_disconnect
 from sluice.transports.native_json import native_message
 
 __all__ = [
@@ -46,6 +51,7 @@ __all__ = [
     "encode_poll",
     "hold",
     "parse_poll_query",
+    "poll_once",
 ]
 
 # Below the 30-60 s idle timeouts of common proxies and load balancers.
@@ -113,6 +119,19 @@ async def hold(reader: Reader, timeout_s: float, max_events: int = MAX_POLL_EVEN
         return batch
     await reader.wait(timeout_s)
     return reader.read(max_events)
+
+
+async def poll_once(
+    reader: Reader, receive: Receive, timeout_s: float, max_events: int = MAX_POLL_EVENTS
+) -> Batch:
+    """One long-poll: :func:`hold` while watching the client (one that leaves wakes the
+    reader, and gets an empty batch), then close the reader. Every long-poll of the server
+    (``/poll`` and Durable Streams' ``live=long-poll``) is held here."""
+    try:
+        async with watching_disconnect(receive, reader.wake):
+            return await hold(reader, timeout_s, max_events)
+    finally:
+        reader.close()
 
 
 def encode_poll(stream_id: str, batch: Batch, *, after_seq: int, done: bool) -> bytes:
