@@ -88,18 +88,40 @@ class Worker:
     def __init__(self, description: WorkerDescription) -> None:
         self.description = description
         self.url = description.url
-        self.channel = grpc.aio.insecure_channel(
-            description.target,
+        self._channel: grpc.aio.Channel | None = None
+        self._client: EngineClient | None = None
+        self.up = True  # it answered at start-up
+        self.load: Load | None = None
+        self.num_live = 0  # this gateway's streams on it now
+        self._num_live_at_report = 0
+
+    def open(self) -> None:
+        """Make its channel, on the running event loop (a channel belongs to one loop)."""
+        self._channel = grpc.aio.insecure_channel(
+            self.description.target,
             options=(
                 ("grpc.keepalive_time_ms", int(_KEEPALIVE_S * 1000)),
                 ("grpc.max_receive_message_length", 16 << 20),
             ),
         )
-        self.client = EngineClient(self.channel)
-        self.up = True  # it answered at start-up
-        self.load: Load | None = None
-        self.num_live = 0  # this gateway's streams on it now
-        self._num_live_at_report = 0
+        self._client = EngineClient(self._channel)
+
+    async def close(self) -> None:
+        channel, self._channel, self._client = self._channel, None, None
+        if channel is not None:
+            await channel.close()
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        if self._channel is None:
+            raise RuntimeError(f"worker {self.url}: its pool is not running")
+        return self._channel
+
+    @property
+    def client(self) -> EngineClient:
+        if self._client is None:
+            raise RuntimeError(f"worker {self.url}: its pool is not running")
+        return self._client
 
     @property
     def score(self) -> int:
@@ -183,7 +205,9 @@ class WorkerPool:
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[WorkerPool]:
-        """Poll the workers' loads for the block; close the channels after it."""
+        """Open the channels and poll the workers' loads for the block; close them after."""
+        for worker in self.workers:
+            worker.open()
         try:
             async with asyncio.TaskGroup() as tasks:
                 poller = tasks.create_task(self._poll_forever())
@@ -193,7 +217,7 @@ class WorkerPool:
                     poller.cancel()
         finally:
             for worker in self.workers:
-                await worker.channel.close()
+                await worker.close()
 
     async def _poll_forever(self) -> None:
         interval_s = self.options.load_interval_s
