@@ -159,13 +159,13 @@ class WorkerGeneration:
                 why = f"{worker.url} did not connect"
                 continue
             call = worker.client.generate(message, timeout=pool.options.deadline_s)
-            worker.num_live += 1
+            worker.num_started += 1
             try:
                 await call.initial_metadata()
                 code = await call.code() if call.done() else grpc.StatusCode.OK
             except BaseException:
                 call.cancel()
-                worker.num_live -= 1
+                worker.num_ended += 1
                 raise
             if code is grpc.StatusCode.OK:
                 self._call, self._worker, self._counted = call, worker, True
@@ -174,7 +174,7 @@ class WorkerGeneration:
                     self._leave()
                     await self._abort_on_worker()
                 return
-            worker.num_live -= 1
+            worker.num_ended += 1
             details = await call.details()
             if code is grpc.StatusCode.INVALID_ARGUMENT:
                 raise BadRequestError(f"the worker refused the request: {details}")
@@ -265,7 +265,7 @@ class WorkerGeneration:
         """No longer one of this gateway's streams on its worker (once)."""
         if self._worker is not None and self._counted:
             self._counted = False
-            self._worker.num_live -= 1
+            self._worker.num_ended += 1
 
     async def abort(self) -> None:
         """Cancel the RPC and return once the worker has freed the request's blocks

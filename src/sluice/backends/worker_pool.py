@@ -9,9 +9,10 @@ same model (``GetModelInfo``).
 
 Placement (:meth:`WorkerPool.ranked`): the up workers, least loaded first. A worker's load
 is what it last reported (running plus waiting requests) corrected by what this gateway did
-since: the streams it started there since the report, less those that ended. So a burst of
-requests spreads over the workers before the next report, and the load of other gateways
-(or of clients that call a worker directly) counts as soon as a report shows it. Ties go to
+since the report came in (the streams it started there, less those that ended), and at
+least this gateway's live streams there. So a burst of requests spreads over the workers
+before the next report, and the load of other gateways (or of clients that call a worker
+directly) counts as soon as a report shows it. Ties go to
 fewer of this gateway's streams, then round-robin.
 
 :meth:`WorkerPool.connect` bounds the wait for a channel that is not connected yet
@@ -92,8 +93,11 @@ class Worker:
         self._client: EngineClient | None = None
         self.up = True  # it answered at start-up
         self.load: Load | None = None
-        self.num_live = 0  # this gateway's streams on it now
-        self._num_live_at_report = 0
+        # This gateway's streams there, started and ended, in all (the live ones: the
+        # difference), and the two counts when the last report came in.
+        self.num_started = 0
+        self.num_ended = 0
+        self._counts_at_report = (0, 0)
 
     def open(self) -> None:
         """Make its channel, on the running event loop (a channel belongs to one loop)."""
@@ -124,14 +128,23 @@ class Worker:
         return self._client
 
     @property
-    def score(self) -> int:
-        """Its last reported requests, corrected by this gateway's since then."""
-        reported = 0 if self.load is None else self.load.num_running + self.load.num_waiting
-        return max(0, reported + self.num_live - self._num_live_at_report)
+    def num_live(self) -> int:
+        """This gateway's streams on it now."""
+        return self.num_started - self.num_ended
 
-    def reported(self, load: Load, num_live_when_asked: int) -> None:
+    @property
+    def score(self) -> int:
+        """Its requests as last reported, plus this gateway's started since the report came
+        in, less those ended since; at least this gateway's own live streams (a report
+        asked for before a stream started may or may not count it)."""
+        reported = 0 if self.load is None else self.load.num_running + self.load.num_waiting
+        started, ended = self._counts_at_report
+        since = (self.num_started - started) - (self.num_ended - ended)
+        return max(0, reported + since, self.num_live)
+
+    def reported(self, load: Load) -> None:
         self.load = load
-        self._num_live_at_report = num_live_when_asked
+        self._counts_at_report = (self.num_started, self.num_ended)
 
 
 class WorkerPool:
@@ -178,7 +191,6 @@ class WorkerPool:
 
     async def poll(self, worker: Worker) -> Load | None:
         """Ask one worker for its load now; mark it up or down by its answer."""
-        num_live = worker.num_live
         try:
             response = await worker.client.get_loads(
                 pb.GetLoadsRequest(), timeout=self.options.rpc_timeout_s
@@ -196,7 +208,7 @@ class WorkerPool:
             self.mark_down(worker, f"GetLoads: {exc.code().name}: {exc.details()}")
             return None
         load = Load.of(response)
-        worker.reported(load, num_live)
+        worker.reported(load)
         return load
 
     async def poll_all(self) -> list[Load | None]:

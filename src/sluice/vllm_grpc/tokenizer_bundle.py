@@ -47,6 +47,7 @@ __all__ = [
 # The largest tokenizer.json files of real models are tens of MB (deflated to a third).
 MAX_BUNDLE_BYTES: Final = 64 << 20
 MAX_UNPACKED_BYTES: Final = 256 << 20
+_ZIP_DATE: Final = (1980, 1, 1, 0, 0, 0)
 _NAMES: Final = frozenset(
     {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"}
 )
@@ -67,7 +68,8 @@ class ModelFiles:
 
 
 def write_bundle(files: ModelFiles, max_model_len: int) -> bytes:
-    """The archive of ``files`` (see the module), deflated."""
+    """The archive of ``files`` (see the module), deflated; the same files make the same
+bytes, so two workers of one model show the same SHA-256."""
     tokenizer = files.tokenizer
     config: dict[str, object] = {
         "bos_token": files.bos_token or None,
@@ -80,13 +82,20 @@ def write_bundle(files: ModelFiles, max_model_len: int) -> bytes:
     generation: dict[str, object] = {"eos_token_id": list(tokenizer.eos_token_ids)}
     if tokenizer.bos_token_id is not None:
         generation["bos_token_id"] = tokenizer.bos_token_id
+    members = {
+        "tokenizer.json": tokenizer.backend.to_str(),
+        "tokenizer_config.json": json.dumps(config, ensure_ascii=False),
+        "generation_config.json": json.dumps(generation),
+    }
+    if files.chat_template is not None:
+        members["chat_template.jinja"] = files.chat_template
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
-        archive.writestr("tokenizer.json", tokenizer.backend.to_str())
-        archive.writestr("tokenizer_config.json", json.dumps(config, ensure_ascii=False))
-        archive.writestr("generation_config.json", json.dumps(generation))
-        if files.chat_template is not None:
-            archive.writestr("chat_template.jinja", files.chat_template)
+        for name, text in members.items():
+            # A fixed date: the same model makes the same bytes (and SHA-256) everywhere.
+            info = zipfile.ZipInfo(name, date_time=_ZIP_DATE)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            archive.writestr(info, text)
     return buffer.getvalue()
 
 
