@@ -175,8 +175,10 @@ def two_front(workers: tuple[WorkerProcess, WorkerProcess]) -> Iterator[ServerPr
         yield server.wait_ready()
 
 
-def open_stream(stack: contextlib.ExitStack, front: ServerProcess) -> None:
-    """Start a long chat and read its first chunk: it is running on a worker."""
+def open_stream(stack: contextlib.ExitStack, front: ServerProcess) -> Iterator[str]:
+    """Start a long chat and read its first chunk: it is running on a worker. The stream
+    stays open while ``stack`` is and the lines returned are referenced (the iterator
+    closes the response when it is collected)."""
     body = {
         "model": "long-test",
         "messages": CHAT,
@@ -189,16 +191,24 @@ def open_stream(stack: contextlib.ExitStack, front: ServerProcess) -> None:
     )
     assert response.status_code == 200
     lines = response.iter_lines()
-    assert next(line for line in lines if line.startswith("data:"))
+    first = next_data(lines)
+    assert '"error"' not in first, first
+    return lines
+
+
+def next_data(lines: Iterator[str]) -> str:
+    """The next ``data:`` line of an SSE response."""
+    return next(line for line in lines if line.startswith("data:"))
 
 
 def test_a_client_that_goes_away_aborts_on_the_worker(two_front: ServerProcess) -> None:
     front = two_front
     with contextlib.ExitStack() as stack:
-        open_stream(stack, front)
+        held = open_stream(stack, front)
         busy = engine_stats(front, "long-test")
-        assert busy["running"] == 1
-        assert busy["kv_blocks_used"] > 0
+        assert busy["running"] + busy["waiting"] == 1, busy
+        assert busy["kv_blocks_used"] > 0, busy
+        assert next_data(held)  # still streaming
     # The connection closed mid-stream: the worker's engine frees the blocks.
     idle = wait_for_stats(front, "long-test", running=0, waiting=0, kv_blocks_used=0)
     assert idle["workers_up"] == 2
@@ -218,10 +228,10 @@ def test_requests_go_to_the_least_loaded_worker(
     front = two_front
     first, second = workers
     with contextlib.ExitStack() as stack:  # idle workers: one each
-        open_stream(stack, front)
-        open_stream(stack, front)
+        held = [open_stream(stack, front), open_stream(stack, front)]
         assert worker_load(first).num_total_reqs == 1
         assert worker_load(second).num_total_reqs == 1
+        assert all(next_data(lines) for lines in held)
     wait_for_stats(front, "long-test", running=0, waiting=0, kv_blocks_used=0)
     # Load the first worker from outside the gateway (another gateway, say).
     with grpc.insecure_channel(first.target) as channel, contextlib.ExitStack() as stack:
@@ -234,18 +244,18 @@ def test_requests_go_to_the_least_loaded_worker(
             request = pb.GenerateRequest(
                 request_id=f"outside-{n}",
                 tokenized=pb.TokenizedInput(input_ids=[1, 2, 3]),
-                sampling_params=pb.SamplingParams(max_tokens=LONG_POSITIONS - 8),
+                sampling_params=pb.SamplingParams(max_tokens=LONG_POSITIONS - 8, ignore_eos=True),
                 stream=True,
             )
             call = generate(request, timeout=60)
             stack.callback(call.cancel)
             next(call)
         # Once the gateway has seen the report, both of its streams go to the second.
-        wait_for_stats(front, "long-test", running=2)
-        open_stream(stack, front)
-        open_stream(stack, front)
+        wait_for_stats(front, "long-test", running=2, waiting=0)
+        held = [open_stream(stack, front), open_stream(stack, front)]
         assert worker_load(second).num_total_reqs == 2
         assert worker_load(first).num_total_reqs == 2
+        assert all(next_data(lines) for lines in held)  # still streaming
     wait_for_stats(front, "long-test", running=0, waiting=0, kv_blocks_used=0)
 
 
