@@ -259,24 +259,31 @@ def test_requests_go_to_the_least_loaded_worker(
     wait_for_stats(front, "long-test", running=0, waiting=0, kv_blocks_used=0)
 
 
-def test_a_dead_worker_is_left_and_none_left_is_a_503_with_retry_after(
+def test_a_dead_worker_ends_its_streams_is_left_and_none_left_is_a_503(
     long_model: Path,
 ) -> None:
-    options = ("--model", str(long_model), "--kv-blocks", "64")
+    options = ("--model", str(long_model), "--kv-blocks", "256")
     with (
         WorkerProcess(*options) as first,
         WorkerProcess(*options) as second,
         gateway(first, second) as front,
+        contextlib.ExitStack() as stack,
     ):
         front.wait_ready()
+        lines = open_stream(stack, front)
+        serving, other = (first, second) if worker_load(first).num_total_reqs else (second, first)
+        serving.kill()
+        # The stream ends with a retryable error, never with [DONE], and does not hang.
+        rest = [line for line in lines if line.startswith("data:")]
+        assert '"error"' in rest[-1]
+        assert "data: [DONE]" not in rest
         client = OpenAI(base_url=f"{front.base_url}/v1", api_key="unused", max_retries=0)
-        second.kill()
-        for _ in range(3):  # whichever it was placed on, each is served
+        for _ in range(3):  # placed on the worker left, whatever the gateway knew
             _, reason, tokens = streamed_text(
                 client, "long-test", max_tokens=4, extra_body={"ignore_eos": True}
             )
             assert (reason, tokens) == ("length", 4)
-        first.kill()
+        other.kill()
         body = {"model": "long-test", "messages": CHAT, "stream": True}
         response = httpx.post(f"{front.base_url}/v1/chat/completions", json=body, timeout=30)
         assert response.status_code == 503
