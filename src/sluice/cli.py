@@ -149,8 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
         "a Hugging Face-format checkpoint directory (config.json, *.safetensors, "
         "tokenizer.json), served under the directory's name, or a GGUF file (or a directory "
         "holding one), served under the file's name (default: SmolLM2-135M-Instruct from the "
-        f"{DEFAULT_MODEL_PACKAGE} package, as '{DEFAULT_MODEL_NAME}', unless upstreams are "
-        "configured; the bundled test model is models/sluice-tiny)",
+        f"{DEFAULT_MODEL_PACKAGE} package, as '{DEFAULT_MODEL_NAME}', unless upstreams or "
+        "workers are configured; the bundled test model is models/sluice-tiny)",
     )
     serve.add_argument(
         "--no-model",

@@ -124,10 +124,10 @@ async def test_take_ready_hands_over_what_piled_up_and_leaves_the_end(
     driver: AsyncEngine,
 ) -> None:
     finished = await driver.add_request([1, 2, 3], GREEDY)
+    marker = await driver.add_request([7, 8, 9], GREEDY)  # runs in the same steps
     aborted = await driver.add_request([4, 5, 6], LONG)
-    while await driver.call(lambda engine: engine.num_requests) > 1:  # the first one ends
-        await asyncio.sleep(0.01)  # polling an observable condition (bounded by the test)
-    # Its outputs were delivered before the call's reply: all twelve are there, in order.
+    await collect(marker)
+    # A step's outputs reach their streams together: all twelve of the first are there.
     ready = finished.take_ready()
     assert [o.num_completion_tokens for o in ready] == list(range(1, 13))
     assert ready[-1].finished

@@ -69,7 +69,7 @@ class ModelFiles:
 
 def write_bundle(files: ModelFiles, max_model_len: int) -> bytes:
     """The archive of ``files`` (see the module), deflated; the same files make the same
-bytes, so two workers of one model show the same SHA-256."""
+    bytes, so two workers of one model show the same SHA-256."""
     tokenizer = files.tokenizer
     config: dict[str, object] = {
         "bos_token": files.bos_token or None,
