@@ -1,7 +1,8 @@
 """``sluice serve --worker grpc://...`` in front of real ``sluice worker`` processes: the
-official SDK streams the in-process engine's text through gateway and worker, a client
-that goes away aborts the request on its worker (blocks freed), requests are placed by the
-workers' reported loads, and a dead worker is a 503 with ``Retry-After``, never a hang."""
+official SDK streams the in-process engine's text through gateway and worker (tool calls
+too), a client that goes away aborts the request on its worker (blocks freed), requests are
+placed by the workers' reported loads, a worker that dies ends its streams with an error,
+and with none left a request is a 503 with ``Retry-After``, never a hang."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -22,6 +24,7 @@ from sluice.engine.models.gpt2 import GPT2Config, GPT2LMHeadModel
 from sluice.engine.tokenizer import Tokenizer
 from sluice.vllm_grpc.proto import method_path
 from sluice.vllm_grpc.proto import vllm_engine_pb2 as pb
+from tests.engine.tool_model import ARGUMENTS, PREAMBLE, TOOL_NAME, write_tool_model
 from tests.server import ServerProcess
 from tests.tiny_tokenizer import train_tokenizer
 from tests.worker_process import WorkerProcess
@@ -290,3 +293,40 @@ def test_a_dead_worker_ends_its_streams_is_left_and_none_left_is_a_503(
         assert int(response.headers["retry-after"]) >= 1
         assert "no worker" in response.json()["error"]["message"]
         assert wait_for_stats(front, "long-test", workers_up=0)["workers"] == 2
+
+
+def test_a_worker_model_calls_tools_as_the_embedded_engine_does(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A Llama with a Hermes-style template: the template and its tools travel from the
+    worker (GetTokenizer), the gateway renders them and reads the call in the answer."""
+    directory = write_tool_model(tmp_path_factory.mktemp("tools") / "hermes-tiny")
+    with (
+        WorkerProcess("--model", str(directory), "--kv-blocks", "64") as worker,
+        gateway(worker) as front,
+    ):
+        front.wait_ready()
+        client = OpenAI(base_url=f"{front.base_url}/v1", api_key="unused", max_retries=0)
+        tools: list[Any] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": TOOL_NAME,
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+                },
+            }
+        ]
+        question: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+        chunks = list(
+            client.chat.completions.create(
+                model="hermes-tiny", messages=question, tools=tools, temperature=0, stream=True
+            )
+        )
+        choices = [chunk.choices[0] for chunk in chunks if chunk.choices]
+        assert "".join(choice.delta.content or "" for choice in choices) == PREAMBLE
+        calls = [call for choice in choices for call in choice.delta.tool_calls or ()]
+        assert calls[0].function is not None
+        assert calls[0].function.name == TOOL_NAME
+        arguments = "".join(c.function.arguments or "" for c in calls if c.function is not None)
+        assert json.loads(arguments) == ARGUMENTS
+        assert choices[-1].finish_reason == "tool_calls"
