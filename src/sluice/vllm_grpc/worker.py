@@ -1,7 +1,7 @@
 """``sluice worker``: one model in the embedded engine, served over vLLM's gRPC engine protocol.
 
 ``sluice worker --model PATH --listen HOST:PORT`` loads the model as ``sluice serve`` would
-(the same loader and engine limits), warms the engine up, and serves
+(the same loader and engine limits; without ``--model``, the default model), warms the engine up, and serves
 ``vllm.grpc.engine.VllmEngine`` (:mod:`~sluice.vllm_grpc.servicer`) on the address, with
 the standard health service (``grpc.health.v1.Health``: ``SERVING`` while it runs) and
 server reflection. Port 0 takes a free port; the line printed once it listens names the
@@ -31,6 +31,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sluice import __version__
+from sluice.engine.default_model import (
+    DEFAULT_MODEL_NAME,
+    DEFAULT_MODEL_PACKAGE,
+    default_model_file,
+)
 from sluice.engine.driver import AsyncEngine
 from sluice.engine.engine import Engine, EngineConfig
 from sluice.engine.loader import Checkpoint, load_checkpoint
@@ -57,10 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         type=Path,
-        required=True,
+        default=None,
         metavar="PATH",
         help="the GPT-2 or Llama model to serve: a Hugging Face-format checkpoint directory "
-        "or a GGUF file (as sluice serve --model)",
+        "or a GGUF file (as sluice serve --model; default: SmolLM2-135M-Instruct from the "
+        f"{DEFAULT_MODEL_PACKAGE} package, as '{DEFAULT_MODEL_NAME}')",
     )
     parser.add_argument(
         "--listen",
@@ -169,7 +175,10 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         host, port = parse_address(args.listen)
-        checkpoint = load_checkpoint(args.model)
+        name = None
+        if args.model is None:
+            args.model, name = default_model_file(), DEFAULT_MODEL_NAME
+        checkpoint = load_checkpoint(args.model, name=name)
         config = EngineConfig.for_serving(
             checkpoint.config.n_positions, num_blocks=args.kv_blocks, max_num_seqs=args.max_running
         )
