@@ -29,6 +29,9 @@ from tests.server import ServerProcess
 from tests.tiny_tokenizer import train_tokenizer
 from tests.worker_process import WorkerProcess
 
+# Worker processes load torch and a model: slow to start on a busy 2-core machine.
+pytestmark = pytest.mark.timeout(240)
+
 CHAT = [{"role": "user", "content": "What does socket.connect do?"}]
 CORPUS = ["Streams of tokens arrive one by one, and the reader takes them as they come."] * 30
 # The long model's context: thousands of tokens keep a request running through a test.
@@ -260,6 +263,22 @@ def test_requests_go_to_the_least_loaded_worker(
         assert worker_load(first).num_total_reqs == 2
         assert all(next_data(lines) for lines in held)  # still streaming
     wait_for_stats(front, "long-test", running=0, waiting=0, kv_blocks_used=0)
+
+
+def test_a_streams_deadline_aborts_it_on_the_worker(
+    workers: tuple[WorkerProcess, WorkerProcess],
+) -> None:
+    """A second gateway over the same workers, whose streams last a second at most: the
+    stream ends ``length`` at its deadline and the worker's engine lets go of it."""
+    with gateway(*workers, options=("--max-stream-duration", "1")) as front:
+        front.wait_ready()
+        client = OpenAI(base_url=f"{front.base_url}/v1", api_key="unused", max_retries=0)
+        _, reason, tokens = streamed_text(
+            client, "long-test", max_tokens=LONG_POSITIONS - 64, extra_body={"ignore_eos": True}
+        )
+        assert reason == "length"
+        assert 0 < tokens < LONG_POSITIONS - 64
+        wait_for_stats(front, "long-test", running=0, waiting=0, kv_blocks_used=0)
 
 
 def test_a_dead_worker_ends_its_streams_is_left_and_none_left_is_a_503(

@@ -24,6 +24,9 @@ from sluice.vllm_grpc.proto import vllm_engine_pb2 as pb
 from tests.server import TEST_MODEL
 from tests.worker_process import WorkerProcess
 
+# Worker processes load torch and a model: slow to start on a busy 2-core machine.
+pytestmark = pytest.mark.timeout(180)
+
 SMG = Path(sys.executable).with_name("smg")
 PROMPT = "Return the number of"
 

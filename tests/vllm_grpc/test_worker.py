@@ -20,7 +20,8 @@ from sluice.vllm_grpc.tokenizer_bundle import read_bundle
 from tests.server import TEST_MODEL
 from tests.worker_process import EngineCalls, WorkerProcess, token_ids, worker_idle
 
-pytestmark = pytest.mark.anyio
+# Worker processes load torch and a model: slow to start on a busy 2-core machine.
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
 
 PROMPT = "Return the number of items in the sequence"
 
