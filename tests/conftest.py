@@ -5,8 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from tests.server import ServerProcess
+
+# In-process engines run on one torch thread, as `sluice serve` does on this 2-core VM
+# (--engine-threads): the test process shares the cores with the servers it starts.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session", params=["native-sse", "asgi-sse"])

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
+import torch
 import uvicorn
 
 from sluice import __version__, loadgen
@@ -59,7 +60,11 @@ from sluice.observability.logs import LOG_FORMATS, configure_logging
 from sluice.streams.log import LogLimits
 from sluice.transports.delivery import DeliveryOptions
 from sluice.transports.http1.opener import Http1Limits
-from sluice.transports.http1.uvicorn_adapter import exit_without_reraise, protocol_class
+from sluice.transports.http1.uvicorn_adapter import (
+    SluiceWebSocketProtocol,
+    exit_without_reraise,
+    protocol_class,
+)
 from sluice.transports.http2 import Http2Options, check_tls
 from sluice.vllm_grpc.client import WorkerDescription, describe_worker
 from sluice.vllm_grpc.tokenizer_bundle import read_bundle
@@ -239,6 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=64,
         help="sequences the embedded engine runs in one batch",
+    )
+    serve.add_argument(
+        "--engine-threads",
+        type=_count,
+        default=_default_engine_threads(),
+        help="torch threads of the embedded engine (default: the usable cores but one, at "
+        "least 1: the event loop keeps a core, and torch's threads never wait for a "
+        "descheduled sibling)",
     )
     serve.add_argument(
         "--heartbeat-interval",
@@ -538,6 +551,11 @@ def _byte_size(text: str) -> int:
     return int(size)
 
 
+def _default_engine_threads() -> int:
+    """The cores this process may use, less one for the event loop (at least 1)."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
 def _count(text: str) -> int:
     """A whole number of at least 1."""
     try:
@@ -690,6 +708,10 @@ def _embedded_engine(
     """Load ``--model`` (under ``name``, if given) and put the embedded engine behind the
     Backend seam; the third item runs the engine (its driver thread, warmed up) for the
     app's lifetime."""
+    # Process-wide; a torch thread per core would share the cores with the event loop,
+    # and each of its parallel sections waits for the slowest (measured on 2 loaded vCPUs:
+    # 2 threads ran a step 3-16x slower than 1).
+    torch.set_num_threads(args.engine_threads)
     checkpoint = load_checkpoint(args.model, name=name)
     config = EngineConfig.for_serving(
         checkpoint.config.n_positions, num_blocks=args.kv_blocks, max_num_seqs=args.max_running
@@ -951,7 +973,7 @@ def serve(args: argparse.Namespace) -> int:
         http=protocol_class(app.opener, native=args.native_sse),
         # GET /v1/ws (sluice.gateway.websocket): pings keep idle sockets alive; a peer
         # that does not answer one within the send timeout is gone.
-        ws="websockets-sansio",
+        ws=SluiceWebSocketProtocol,
         ws_max_size=app.websockets.limits.max_message_bytes,
         ws_ping_interval=settings.delivery.heartbeat_interval_s,
         ws_ping_timeout=settings.delivery.send_timeout_s,

@@ -111,6 +111,76 @@ def test_a_replay_stops_at_its_limit() -> None:
     assert 1.0 < predicted < 1.2  # over the limit, without replaying 10,000 steps
 
 
+def step_by_step_s(
+    cost: tuple[float, float, float],
+    max_num_seqs: int,
+    budget: int,
+    decoding: list[int],
+    queued: list[tuple[int, int]],
+    target: tuple[int, int],
+) -> float:
+    """The scheduler as the predictor's docstring tells it, one step at a time: each
+    running sequence decodes a token a step until none is left (``decoding``: tokens
+    left), queued prompts take free slots in FIFO order and share the step's budget, a
+    prefilled prompt runs its first token and then decodes the rest; a busy engine adds
+    the new prompt after the step in progress. Seconds until the target is prefilled."""
+    a, b, c = cost
+    running = list(decoding)
+    waiting = [[prompt, max_tokens] for prompt, max_tokens in queued]
+    ours = [*target]
+    busy = bool(running or waiting)
+    if not busy:
+        waiting.append(ours)
+    with_slot, elapsed_s, step = 0, 0.0, 0
+    while True:
+        step += 1
+        left, num_tokens = budget - len(running), 0
+        for index, item in enumerate(waiting):
+            if left <= 0 or (index >= with_slot and len(running) + with_slot >= max_num_seqs):
+                break
+            with_slot = max(with_slot, index + 1)
+            taken = min(item[0], left)
+            item[0] -= taken
+            left -= taken
+            num_tokens += taken
+        elapsed_s += a + b * num_tokens + c * len(running)
+        running = [tokens - 1 for tokens in running if tokens > 1]
+        while waiting and waiting[0][0] == 0:
+            item = waiting.pop(0)
+            with_slot -= 1
+            if item is ours:
+                return elapsed_s
+            if item[1] > 1:
+                running.append(item[1] - 1)
+        if busy and step == 1:
+            waiting.append(ours)
+
+
+def test_the_replay_skips_alike_steps_and_agrees_with_the_scheduler_step_by_step() -> None:
+    """Random engine states: the replay (which counts the steps that wait for a decode to
+    end at once) predicts what a step-by-step walk of the scheduler adds up to."""
+    rng = random.Random(11)
+    for _ in range(400):
+        cost = (rng.uniform(0.001, 0.02), rng.uniform(0, 1e-4), rng.uniform(0, 0.002))
+        max_num_seqs, budget = rng.randint(1, 8), rng.randint(8, 128)
+        predictor = TtftPredictor(max_num_seqs, budget, fitted(*cost), prior_ratio=1.0)
+        decoding: list[int] = []
+        queued: list[tuple[int, int]] = []
+        for key in range(rng.randint(0, 12)):
+            prompt, max_tokens = rng.randint(1, 300), rng.randint(1, 300)
+            predictor.queued(key, prompt, max_tokens, now=0.0)
+            if rng.random() < 0.5 and len(decoding) < max_num_seqs:
+                generated = rng.randint(1, max_tokens)
+                predictor.generated(key, generated, produced_at=0.0, now=0.0)
+                decoding.append(max(1, max_tokens - generated))
+            else:
+                queued.append((prompt, max_tokens))
+        target = (rng.randint(1, 300), rng.randint(1, 300))
+        expected = step_by_step_s(cost, max_num_seqs, budget, decoding, queued, target)
+        predicted = predictor.predict_s(*target, limit_s=1e9)
+        assert predicted == pytest.approx(expected, rel=1e-9)
+
+
 def serve(
     predictor: TtftPredictor, keys: range, produced_at: Callable[[], float], lag_s: float = 0.0
 ) -> None:

@@ -13,17 +13,25 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import socket
 from typing import Any
 
 import pytest
 import uvicorn
+import websockets
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.utils import get_client_addr
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from uvicorn.server import ServerState
 
 from sluice.transports.asgi import Receive, Scope, Send
-from sluice.transports.http1.uvicorn_adapter import RELIED_ON, SluiceHttpProtocol
+from sluice.transports.http1.uvicorn_adapter import (
+    RELIED_ON,
+    SluiceHttpProtocol,
+    SluiceWebSocketProtocol,
+)
+from sluice.transports.websocket import SEND_TEXTS
 
 pytestmark = pytest.mark.anyio
 
@@ -37,6 +45,8 @@ PINNED_KINDS = {
     "uvicorn.protocols.utils",
     "Server",
     "Server instance",
+    "WebSocketsSansIOProtocol",
+    "WebSocketsSansIOProtocol instance",
 }
 
 
@@ -147,3 +157,55 @@ async def test_a_protocol_serving_a_request_has_every_attribute_the_adapter_uses
         await server.wait_closed()
     assert head.startswith(b"HTTP/1.1 204 ")
     assert missing == {"protocol": [], "cycle": [], "flow": []}
+
+
+def test_the_websocket_protocols_override_takes_what_uvicorn_calls() -> None:
+    assert RELIED_ON["WebSocketsSansIOProtocol"] == ("handle_connect",)
+    assert parameters(WebSocketsSansIOProtocol.handle_connect) == ["self", "event"]
+    assert parameters(SluiceWebSocketProtocol.handle_connect) == ["self", "event"]
+
+
+async def test_a_socket_sends_a_batch_of_texts_as_one_frame_each_in_one_write() -> None:
+    """A real uvicorn server with the adapter's WebSocket protocol: the app finds the batch
+    sender in its scope and every attribute it reads on the protocol; a `websockets`
+    client gets each message of a batch as its own text frame, in order, and a batch
+    after the client left raises the OSError uvicorn raises for ``websocket.send``."""
+    missing: list[str] = []
+    after_close: list[BaseException] = []
+    left = asyncio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "websocket":
+            return
+        assert (await receive())["type"] == "websocket.connect"
+        await send({"type": "websocket.accept"})
+        send_texts = scope["extensions"][SEND_TEXTS]["send"]
+        protocol = send_texts.__self__
+        instance = RELIED_ON["WebSocketsSansIOProtocol instance"]
+        missing.extend(name for name in instance if not hasattr(protocol, name))
+        await send_texts(["один".encode(), b'{"n":2}', b"three"])
+        await send_texts([b"four"])
+        assert (await receive())["type"] == "websocket.disconnect"
+        await left.wait()
+        try:
+            await send_texts([b"too late"])
+        except OSError as exc:
+            after_close.append(exc)
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()  # connections wait in the backlog until the server accepts them
+    port = listener.getsockname()[1]
+    config = uvicorn.Config(app, ws=SluiceWebSocketProtocol, lifespan="off", log_config=None)
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve(sockets=[listener]))
+    try:
+        async with websockets.connect(f"ws://127.0.0.1:{port}/") as client:
+            received = [await client.recv() for _ in range(4)]
+        left.set()
+    finally:
+        server.should_exit = True
+        await serving
+    assert received == ["один", '{"n":2}', "three", "four"]
+    assert missing == []
+    assert len(after_close) == 1

@@ -20,7 +20,7 @@ from sluice.events import Finished, FinishReason, Started, TextDelta
 from sluice.streams import MemoryEventLog, Reader
 from sluice.transports.asgi import Message
 from sluice.transports.delivery import DeliveryOptions
-from sluice.transports.websocket import WebSocketSession
+from sluice.transports.websocket import SEND_TEXTS, WebSocketSession
 from sluice.transports.websocket_protocol import WebSocketLimits, error_message
 
 pytestmark = pytest.mark.anyio
@@ -35,11 +35,22 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+@pytest.fixture(params=["asgi-send", "batch-send"])
+def batched(request: pytest.FixtureRequest) -> bool:
+    """Each test twice: messages sent one ASGI ``websocket.send`` each, and in batches
+    through the server's :data:`~sluice.transports.websocket.SEND_TEXTS` extension."""
+    return bool(request.param == "batch-send")
+
+
 class Socket:
     """The ASGI side of one WebSocket: what was sent, a gate that stalls sends, and the
-    client's messages."""
+    client's messages; ``batched``, its scope offers the batch sender, which takes a whole
+    batch (or none of it) at the gate."""
 
-    def __init__(self) -> None:
+    def __init__(self, batched: bool) -> None:
+        self.scope: dict[str, Any] = {"type": "websocket", "extensions": {}}
+        if batched:
+            self.scope["extensions"][SEND_TEXTS] = {"send": self.send_texts}
         self.sent: list[Message] = []
         self.attempted: list[Message] = []  # every send asked for, taken or not
         self.gate = asyncio.Event()
@@ -51,6 +62,12 @@ class Socket:
         self.attempted.append(message)
         await self.gate.wait()
         self.sent.append(message)
+
+    async def send_texts(self, texts: list[bytes]) -> None:
+        messages = [{"type": "websocket.send", "text": text.decode()} for text in texts]
+        self.attempted.extend(messages)
+        await self.gate.wait()
+        self.sent.extend(messages)
 
     async def receive(self) -> Message:
         return await self.incoming.get()
@@ -84,12 +101,14 @@ def reader_of(log: MemoryEventLog, closed: list[Reader], after_seq: int = 0) -> 
     return Reader(log, SID, after_seq, on_close=closed.append)
 
 
-async def test_a_draining_socket_gets_every_token_once_coalesced_while_it_lagged() -> None:
-    socket = Socket()
+async def test_a_draining_socket_gets_every_token_once_coalesced_while_it_lagged(
+    batched: bool,
+) -> None:
+    socket = Socket(batched)
     socket.gate.clear()  # stuck at first
     log = await a_log(200)
     closed: list[Reader] = []
-    session = WebSocketSession(socket.send, OPTIONS, LIMITS)
+    session = WebSocketSession(socket.scope, socket.send, OPTIONS, LIMITS)
     serving = asyncio.create_task(session.serve(socket.receive, socket.handle))
     session.subscribe(reader_of(log, closed), resumable=True)
     await until("the queue is full", lambda: session.num_queued >= LIMITS.max_queued_messages)
@@ -112,12 +131,14 @@ async def test_a_draining_socket_gets_every_token_once_coalesced_while_it_lagged
 
 
 @pytest.mark.parametrize(("resumable", "code"), [(True, 1013), (False, 1008)])
-async def test_a_stuck_socket_is_closed_after_the_send_timeout(resumable: bool, code: int) -> None:
-    socket = Socket()
+async def test_a_stuck_socket_is_closed_after_the_send_timeout(
+    resumable: bool, code: int, batched: bool
+) -> None:
+    socket = Socket(batched)
     socket.gate.clear()  # never drains
     log = await a_log(200, end=False)
     closed: list[Reader] = []
-    session = WebSocketSession(socket.send, OPTIONS, LIMITS)
+    session = WebSocketSession(socket.scope, socket.send, OPTIONS, LIMITS)
     began = time.monotonic()
     serving = asyncio.create_task(session.serve(socket.receive, socket.handle))
     session.subscribe(reader_of(log, closed), resumable=resumable)
@@ -127,11 +148,11 @@ async def test_a_stuck_socket_is_closed_after_the_send_timeout(resumable: bool, 
     assert socket.attempted[-1] == {"type": "websocket.close", "code": code}
 
 
-async def test_the_receiver_reads_no_client_message_while_the_queue_is_full() -> None:
-    socket = Socket()
+async def test_the_receiver_reads_no_client_message_while_the_queue_is_full(batched: bool) -> None:
+    socket = Socket(batched)
     socket.gate.clear()
     log = await a_log(100, end=False)
-    session = WebSocketSession(socket.send, OPTIONS, LIMITS)
+    session = WebSocketSession(socket.scope, socket.send, OPTIONS, LIMITS)
     serving = asyncio.create_task(session.serve(socket.receive, socket.handle))
     session.subscribe(reader_of(log, []), resumable=True)
     await until("the queue is full", lambda: session.num_queued >= LIMITS.max_queued_messages)
@@ -144,9 +165,9 @@ async def test_the_receiver_reads_no_client_message_while_the_queue_is_full() ->
     await serving
 
 
-async def test_a_binary_message_is_refused_and_the_socket_reads_on() -> None:
-    socket = Socket()
-    session = WebSocketSession(socket.send, OPTIONS, LIMITS)
+async def test_a_binary_message_is_refused_and_the_socket_reads_on(batched: bool) -> None:
+    socket = Socket(batched)
+    session = WebSocketSession(socket.scope, socket.send, OPTIONS, LIMITS)
     serving = asyncio.create_task(session.serve(socket.receive, socket.handle))
     socket.incoming.put_nowait({"type": "websocket.receive", "bytes": b"\x00"})
     socket.incoming.put_nowait({"type": "websocket.receive", "text": "next"})
@@ -158,11 +179,11 @@ async def test_a_binary_message_is_refused_and_the_socket_reads_on() -> None:
     assert answers[1] == {"type": "error", "code": "seen", "message": "next"}
 
 
-async def test_closing_the_socket_detaches_every_subscription() -> None:
-    socket = Socket()
+async def test_closing_the_socket_detaches_every_subscription(batched: bool) -> None:
+    socket = Socket(batched)
     log = await a_log(3, end=False)
     closed: list[Reader] = []
-    session = WebSocketSession(socket.send, OPTIONS, LIMITS)
+    session = WebSocketSession(socket.scope, socket.send, OPTIONS, LIMITS)
     serving = asyncio.create_task(session.serve(socket.receive, socket.handle))
     session.subscribe(reader_of(log, closed), resumable=True)
     await until("caught up", lambda: len(socket.events()) == 4)

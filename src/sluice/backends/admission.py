@@ -39,7 +39,6 @@ loop. The model publishes its coefficients as one tuple, so the two need no lock
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 import statistics
 from collections import deque
@@ -277,7 +276,9 @@ class TtftPredictor:
             queue.append(target)
         num_holding_slots = 0  # queued prompts at the head that have a slot
         elapsed_s = 0.0
-        for step in itertools.count(1):
+        step = 0
+        while True:
+            step += 1
             num_decodes = len(ends)
             budget = self._max_num_batched_tokens - num_decodes
             num_prefill_tokens = 0
@@ -293,7 +294,17 @@ class TtftPredictor:
                 budget -= chunk
                 num_prefill_tokens += chunk
             step_s = cost.step_s(num_prefill_tokens, num_decodes)
-            elapsed_s += 0.0 if step_s is None else step_s
+            num_alike = 1
+            if not num_prefill_tokens and ends and step > joins_after_step:
+                # No prompt can take a slot or a token until a decode ends: every step up
+                # to that one is this step again, so they are counted at once (a replay
+                # costs its changes, not its steps, however short a step is).
+                num_alike = ends[0] - step + 1
+                if step_s:  # up to the limit, not past it
+                    steps_to_limit = math.floor((limit_s - elapsed_s) / step_s) + 1
+                    num_alike = min(num_alike, max(1, steps_to_limit))
+                step += num_alike - 1
+            elapsed_s += 0.0 if step_s is None else num_alike * step_s
             while queue and queue[0][0] == 0:
                 item = queue.popleft()
                 num_holding_slots -= 1
@@ -306,7 +317,6 @@ class TtftPredictor:
                 queue.append(target)
             if elapsed_s > limit_s or step >= _MAX_REPLAY_STEPS:
                 return elapsed_s
-        raise AssertionError("unreachable")  # itertools.count never ends
 
 
 class RetryAfterPacer:

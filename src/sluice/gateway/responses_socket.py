@@ -102,7 +102,7 @@ class ResponsesSockets:
         async def handle(session: WebSocketSession, text: str) -> None:
             await self._handle(session, text, request_scope, live)
 
-        session = WebSocketSession(send, self._settings.delivery, self.limits, errors=refuse)
+        session = WebSocketSession(scope, send, self._settings.delivery, self.limits, errors=refuse)
         await session.serve(receive, handle)
 
     async def _handle(

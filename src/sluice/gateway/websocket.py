@@ -129,7 +129,7 @@ class WebSockets:
         async def handle(session: WebSocketSession, text: str) -> None:
             await self._handle(session, text, scope, caller)
 
-        session = WebSocketSession(send, self._settings.delivery, self.limits)
+        session = WebSocketSession(scope, send, self._settings.delivery, self.limits)
         await session.serve(receive, handle)
 
     def _handshake(self, scope: Scope) -> Caller | Response:

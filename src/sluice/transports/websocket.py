@@ -5,8 +5,9 @@ driven by callbacks, exactly as the native SSE path drives it
 (:class:`~sluice.transports.sse.CallbackSSE`: the log wakes it, one timer serves its send
 timeout), with its messages (:class:`~sluice.transports.websocket_protocol.WebSocketFrames`)
 written into the socket's one bounded send queue. Two tasks per socket, in one task group:
-the sender moves the queue to the socket (ASGI ``websocket.send``, one text frame per
-message); the receiver reads the client's messages and hands each to the gateway's
+the sender moves the queue to the socket, one text frame per message, what queued while
+the last write went out in the next one (:data:`SEND_TEXTS` where the server has it, else
+one ASGI ``websocket.send`` per message); the receiver reads the client's messages and hands each to the gateway's
 handler, one at a time.
 
 Backpressure and the slow-client policy, as on SSE:
@@ -41,7 +42,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from sluice.streams.reader import Reader
-from sluice.transports.asgi import Receive, Send
+from sluice.transports.asgi import Receive, Scope, Send
 from sluice.transports.delivery import Delivery, DeliveryOptions
 from sluice.transports.frames import FrameSource
 from sluice.transports.sse import CallbackSSE
@@ -54,7 +55,25 @@ from sluice.transports.websocket_protocol import (
     split_messages,
 )
 
-__all__ = ["ErrorEncoder", "MessageHandler", "WebSocketSession"]
+__all__ = [
+    "SEND_TEXTS",
+    "ErrorEncoder",
+    "MessageHandler",
+    "SendTexts",
+    "WebSocketSession",
+    "texts_sender",
+]
+
+SEND_TEXTS = "sluice.websocket.send_texts"
+"""The ASGI extension of a server that writes several text messages at once: its value's
+``send`` takes a list of UTF-8 messages, sends each as one text frame, all in one write
+(``sluice serve``'s uvicorn protocol has it: :mod:`sluice.transports.http1.uvicorn_adapter`)."""
+
+SendTexts = Callable[[list[bytes]], Awaitable[None]]
+"""Send each message (UTF-8 bytes) as one text frame of the socket, in order."""
+
+# The most messages one write of a socket carries (64 tokens' messages: ~10 KB).
+_MAX_BATCH = 64
 
 MessageHandler = Callable[["WebSocketSession", str], Awaitable[None]]
 """What the gateway does with one client text message (it answers through the session)."""
@@ -64,6 +83,21 @@ ErrorEncoder = Callable[[str, str, "str | None"], bytes]
 of the socket's protocol: ``(code, message, stream_id)``."""
 
 _COMMENT = b":"  # the core's heartbeat is an SSE comment line: not sent here
+
+
+def texts_sender(scope: Scope, send: Send) -> SendTexts:
+    """The server's batch sender where it has one (:data:`SEND_TEXTS`), else one ASGI
+    ``websocket.send`` per message."""
+    extension = scope.get("extensions", {}).get(SEND_TEXTS)
+    if extension is not None:
+        batch_send: SendTexts = extension["send"]
+        return batch_send
+
+    async def send_each(messages: list[bytes]) -> None:
+        for message in messages:
+            await send({"type": "websocket.send", "text": message.decode()})
+
+    return send_each
 
 
 @dataclass(slots=True)
@@ -86,18 +120,21 @@ class WebSocketSession:
         "_queue",
         "_room",
         "_send",
+        "_send_texts",
         "_subscriptions",
         "_turn",
     )
 
     def __init__(
         self,
+        scope: Scope,
         send: Send,
         options: DeliveryOptions,
         limits: WebSocketLimits,
         errors: ErrorEncoder = error_message,
     ) -> None:
         self._send = send
+        self._send_texts = texts_sender(scope, send)
         self._errors = errors
         self._options = options
         self._limits = limits
@@ -235,15 +272,16 @@ class WebSocketSession:
     async def _send_loop(self) -> None:
         queue = self._queue
         limits = self._limits
-        send = self._send
+        send_texts = self._send_texts
         while True:
             if not queue:
                 self._has_messages.clear()
                 await self._has_messages.wait()
                 continue
-            message = queue.popleft()
+            # What queued while the last write went out goes out together.
+            batch = [queue.popleft() for _ in range(min(len(queue), _MAX_BATCH))]
             try:
-                await send({"type": "websocket.send", "text": message.decode()})
+                await send_texts(batch)
             except OSError:  # the client is gone (uvicorn's ClientDisconnected)
                 self._ended.set()
                 return

@@ -53,7 +53,10 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-from uvicorn.protocols.utils import get_client_addr
+from uvicorn.protocols.utils import ClientDisconnected, get_client_addr
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.exceptions import InvalidState
+from websockets.http11 import Request
 
 from sluice.transports.answer import Whole
 from sluice.transports.asgi import Scope
@@ -61,8 +64,15 @@ from sluice.transports.http1.deadline import ReadDeadline, ReadPhase
 from sluice.transports.http1.opener import Opener, Refusal
 from sluice.transports.http1.protocol import BusyConnections, HeadMeter, NativeExchange
 from sluice.transports.http1.writer import response_head
+from sluice.transports.websocket import SEND_TEXTS
 
-__all__ = ["RELIED_ON", "SluiceHttpProtocol", "exit_without_reraise", "protocol_class"]
+__all__ = [
+    "RELIED_ON",
+    "SluiceHttpProtocol",
+    "SluiceWebSocketProtocol",
+    "exit_without_reraise",
+    "protocol_class",
+]
 
 # Lingering close (as Apache's and nginx's): after the response, the write side is shut
 # and what the client still sends is dropped for this long (nginx: lingering_time) or this
@@ -120,10 +130,49 @@ RELIED_ON: dict[str, tuple[str, ...]] = {
     "FlowControl": ("read_paused", "write_paused", "pause_reading", "resume_reading", "drain"),
     "ServerState instance": ("default_headers", "tasks", "connections"),
     "uvicorn.protocols.utils": ("get_client_addr",),
+    # The WebSocket protocol (ws=websockets-sansio) that websocket_protocol_class extends
+    # with the batch sender of sluice.transports.websocket.SEND_TEXTS.
+    "WebSocketsSansIOProtocol": ("handle_connect",),
+    "WebSocketsSansIOProtocol instance": (
+        "scope",
+        "conn",
+        "transport",
+        "writable",
+        "disconnected",
+        "close_sent",
+        "handshake_complete",
+    ),
     # The drain of `sluice serve`: the signals uvicorn re-raises after its shutdown.
     "Server": ("handle_exit",),
     "Server instance": ("_captured_signals",),
 }
+
+
+class SluiceWebSocketProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's sans-IO WebSocket protocol with the ASGI extension
+    :data:`~sluice.transports.websocket.SEND_TEXTS`: several text messages framed by the
+    same ``websockets`` connection and written at once. uvicorn's ``websocket.send`` costs
+    an ASGI message, a decode, an encode and a write per message; on a socket carrying a
+    token per message, that was most of the server's CPU."""
+
+    def handle_connect(self, event: Request) -> None:
+        super().handle_connect(event)
+        if not self.close_sent:  # a refused handshake has no ASGI scope
+            self.scope["extensions"][SEND_TEXTS] = {"send": self._send_texts}
+
+    async def _send_texts(self, messages: list[bytes]) -> None:
+        await self.writable.wait()  # the transport's buffer is under its high mark
+        if self.disconnected or self.close_sent:  # gone, or closing (a ping unanswered)
+            raise ClientDisconnected()
+        if not self.handshake_complete:
+            raise RuntimeError("messages before websocket.accept")
+        conn = self.conn
+        try:
+            for message in messages:
+                conn.send_text(message)
+        except InvalidState:
+            raise ClientDisconnected() from None
+        self.transport.write(b"".join(conn.data_to_send()))
 
 
 class _Pipeline(list[Any]):
