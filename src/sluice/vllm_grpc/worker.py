@@ -21,12 +21,14 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
 from typing import Final
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -79,6 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-running", type=int, default=64, help="sequences the engine runs in one batch"
+    )
+    parser.add_argument(
+        "--engine-threads",
+        type=int,
+        default=max(1, len(os.sched_getaffinity(0)) - 1),
+        help="torch threads of the engine (default: the usable cores but one, at least 1, "
+        "as sluice serve: the gRPC event loop keeps a core)",
     )
     parser.add_argument(
         "--shutdown-timeout",
@@ -173,6 +182,10 @@ async def _serve(
 def run(args: argparse.Namespace) -> int:
     """Run ``sluice worker`` until a signal; the exit status."""
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.engine_threads < 1:
+        print("sluice worker: --engine-threads must be at least 1", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.engine_threads)  # process-wide, before the model loads
     try:
         host, port = parse_address(args.listen)
         name = None
