@@ -134,3 +134,29 @@ def test_each_known_exception_to_the_registry_rule_is_still_needed() -> None:
     """An exception whose import is gone is dropped from the list, not kept as a hole."""
     for name, module in REGISTRY_RULE_EXCEPTIONS:
         assert module in {m for _, m in imports(SRC / name)}, (name, module)
+
+
+def test_only_the_protocol_module_imports_the_vllm_grpc_package() -> None:
+    """vLLM's engine protocol comes from ``smg-grpc-proto`` through one module
+    (``vllm_grpc/proto.py``), so a change of the package's layout is one edit."""
+    proto = SRC / "vllm_grpc" / "proto.py"
+    assert any(is_under(m, "smg_grpc_proto") for _, m in imports(proto))
+    found = [
+        where(path, line)
+        for path in modules()
+        if path != proto
+        for line, module in imports(path)
+        if is_under(module, "smg_grpc_proto")
+    ]
+    assert found == []
+
+
+def test_the_engine_imports_no_protocol_and_no_backend() -> None:
+    """``engine/`` imports nothing else of ours: the worker serves it from outside."""
+    found = [
+        f"{where(path, line)} imports {module}"
+        for path in modules(SRC / "engine")
+        for line, module in imports(path)
+        if is_under(module, "sluice") and not is_under(module, "sluice.engine")
+    ]
+    assert found == []

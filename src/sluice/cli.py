@@ -1,4 +1,4 @@
-"""The ``sluice`` command: ``sluice serve`` runs the server."""
+"""The ``sluice`` command: ``sluice serve`` runs the server, ``sluice worker`` an engine worker."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ from sluice.backends.upstream_config import (
     list_upstream_models,
     load_upstream_config,
 )
+from sluice.backends.worker import WorkerBackend
+from sluice.backends.worker_pool import WorkerOptions, WorkerPool
 from sluice.dialects.base import RequestLimits
 from sluice.engine.default_model import (
     DEFAULT_MODEL_NAME,
@@ -65,6 +67,10 @@ from sluice.transports.http1.uvicorn_adapter import (
     protocol_class,
 )
 from sluice.transports.http2 import Http2Options, check_tls
+from sluice.vllm_grpc.client import WorkerDescription, describe_worker
+from sluice.vllm_grpc.tokenizer_bundle import read_bundle
+from sluice.vllm_grpc.worker import add_arguments as add_worker_arguments
+from sluice.vllm_grpc.worker import run as run_worker
 
 if TYPE_CHECKING:
     from sluice.rollout.controller import Rollouts
@@ -149,8 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
         "a Hugging Face-format checkpoint directory (config.json, *.safetensors, "
         "tokenizer.json), served under the directory's name, or a GGUF file (or a directory "
         "holding one), served under the file's name (default: SmolLM2-135M-Instruct from the "
-        f"{DEFAULT_MODEL_PACKAGE} package, as '{DEFAULT_MODEL_NAME}', unless upstreams are "
-        "configured; the bundled test model is models/sluice-tiny)",
+        f"{DEFAULT_MODEL_PACKAGE} package, as '{DEFAULT_MODEL_NAME}', unless upstreams or "
+        "workers are configured; the bundled test model is models/sluice-tiny)",
     )
     serve.add_argument(
         "--no-model",
@@ -196,6 +202,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="a TOML file of [[upstream]] tables (name, base_url, model, api_key_env, "
         "connect_timeout_s, read_timeout_s) to proxy several upstreams",
+    )
+    serve.add_argument(
+        "--worker",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="stream from an engine worker at grpc://HOST:PORT (sluice worker, or any server "
+        "of vLLM's gRPC engine protocol), serving the model it serves; repeatable: each "
+        "request goes to the least loaded worker of its model",
+    )
+    serve.add_argument(
+        "--worker-connect-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how long start-up waits for each --worker to answer",
     )
     serve.add_argument(
         "--models-config",
@@ -500,6 +522,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="log every HTTP request, and every stream when it ends (id, model, tenant, "
         "outcome, tokens, seconds)",
     )
+    worker = commands.add_parser(
+        "worker",
+        help="serve one model's engine over vLLM's gRPC engine protocol",
+        description="Serve the embedded engine as vllm.grpc.engine.VllmEngine (Generate, "
+        "Abort, HealthCheck, GetModelInfo, GetLoads, GetTokenizer), for sluice serve "
+        "--worker or any router that speaks the protocol.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_worker_arguments(worker)
     bench = commands.add_parser(
         "bench",
         help="load an OpenAI-compatible or native endpoint; report TTFT, ITL, tokens/s",
@@ -693,14 +724,8 @@ def _embedded_engine(
     # 2 threads ran a step 3-16x slower than 1).
     torch.set_num_threads(args.engine_threads)
     checkpoint = load_checkpoint(args.model, name=name)
-    block_size = 16
-    config = EngineConfig(
-        num_blocks=args.kv_blocks,
-        block_size=block_size,
-        max_num_seqs=args.max_running,
-        max_num_batched_tokens=512,
-        max_waiting=4 * args.max_running,
-        max_model_len=min(checkpoint.config.n_positions, args.kv_blocks * block_size),
+    config = EngineConfig.for_serving(
+        checkpoint.config.n_positions, num_blocks=args.kv_blocks, max_num_seqs=args.max_running
     )
     tokenizer = checkpoint.tokenizer
     engine = Engine(
@@ -761,6 +786,41 @@ def _rollouts(args: argparse.Namespace, backends: dict[str, Backend]) -> Rollout
     rollouts = Rollouts(config, state_file=state)
     backends.update(alias_backends(config, backends, rollouts))
     return rollouts
+
+
+def _workers(
+    args: argparse.Namespace, settings: Settings
+) -> tuple[dict[str, Backend], list[WorkerPool]]:
+    """A backend for each model the ``--worker`` URLs serve, and the pools to run."""
+    urls = args.worker or []
+    if not args.worker_connect_timeout > 0:
+        raise ConfigError("--worker-connect-timeout must be positive")
+    described = [describe_worker(url, args.worker_connect_timeout) for url in urls]
+    by_model: dict[str, list[WorkerDescription]] = {}
+    for description in described:
+        by_model.setdefault(description.model, []).append(description)
+    # A backstop: the hub itself cuts a stream at its longest duration.
+    options = WorkerOptions(deadline_s=settings.max_stream_s + 5.0)
+    backends: dict[str, Backend] = {}
+    pools = []
+    for model, group in by_model.items():
+        if len({d.bundle_sha256 for d in group}) > 1:
+            listed = ", ".join(d.url for d in group)
+            raise ConfigError(f"the workers of {model!r} ({listed}) have different tokenizers")
+        first = group[0]
+        try:
+            files = read_bundle(first.bundle)
+        except ValueError as exc:
+            raise ConfigError(f"--worker {first.url}: its tokenizer: {exc}") from exc
+        pool = WorkerPool(group, options)
+        backends[model] = WorkerBackend(
+            pool,
+            files,
+            max_model_len=min(d.max_model_len for d in group),
+            eos_token_ids=first.eos_token_ids,
+        )
+        pools.append(pool)
+    return backends, pools
 
 
 def _upstreams(args: argparse.Namespace) -> list[UpstreamSpec]:
@@ -884,6 +944,13 @@ def serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"sluice serve: {exc}", file=sys.stderr)
         return 2
+    try:
+        worker_backends, worker_pools = _workers(args, settings)
+    except ConfigError as exc:
+        print(f"sluice serve: {exc}", file=sys.stderr)
+        return 2
+    backends.update(worker_backends)
+    resources.extend(pool.running() for pool in worker_pools)
     model_name = None
     if args.model is None and not backends and not args.no_model:
         try:
@@ -953,6 +1020,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve(args)
     if args.command == "bench":
         return loadgen.run(args)
+    if args.command == "worker":
+        return run_worker(args)
     raise AssertionError(f"unhandled command {args.command!r}")  # pragma: no cover
 
 

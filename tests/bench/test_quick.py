@@ -103,3 +103,10 @@ def test_transports_quick_run_delivers_every_token_on_every_transport() -> None:
     # Exit 0 already means no token lost or doubled; the row says so for each transport.
     lost = table_row(output, "| tokens lost, doubled or failed streams (all levels) |")
     assert lost[1:] == ["0"] * 5, lost
+
+
+def test_worker_quick_run_streams_the_same_greedy_text_in_process_and_through_a_worker() -> None:
+    output = run_quick("worker")
+    assert table_row(output, "| 8 | greedy texts equal |")[3] == "yes"
+    cpu = table_row(output, "| 8 | server CPU per token (ms) |")
+    assert "nan" not in cpu[2:4], cpu

@@ -120,6 +120,29 @@ async def test_abort_mid_stream_ends_the_stream_and_frees_every_block(
     assert await driver.call(lambda engine: engine.num_requests) == 0
 
 
+async def test_take_ready_hands_over_what_piled_up_and_leaves_the_end(
+    driver: AsyncEngine,
+) -> None:
+    finished = await driver.add_request([1, 2, 3], GREEDY)
+    marker = await driver.add_request([7, 8, 9], GREEDY)  # runs in the same steps
+    aborted = await driver.add_request([4, 5, 6], LONG)
+    await collect(marker)
+    # A step's outputs reach their streams together: all twelve of the first are there.
+    ready = finished.take_ready()
+    assert [o.num_completion_tokens for o in ready] == list(range(1, 13))
+    assert ready[-1].finished
+    assert finished.take_ready() == []
+    with pytest.raises(StopAsyncIteration):
+        await anext(finished)
+    assert await driver.abort(aborted.request_id)
+    await driver.call(lambda engine: None)  # the end is queued behind the outputs
+    rest = aborted.take_ready()
+    assert all(not o.finished for o in rest)
+    assert aborted.take_ready() == []  # the end stays for anext
+    with pytest.raises(StopAsyncIteration):
+        await anext(aborted)
+
+
 class _AbortClock(Engine):
     """The engine, noting how many steps had ended when each abort was applied."""
 

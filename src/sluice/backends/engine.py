@@ -243,7 +243,13 @@ class EngineGeneration:
                     events = [TextDelta(output.new_text)] if output.new_text else []
                     yield Delta(events, reason, output.stop_sequence)
                 else:
-                    yield read_tool_calls(self._parser, output, reason)
+                    yield read_tool_calls(
+                        self._parser,
+                        output.new_text,
+                        reason,
+                        finished=output.finished,
+                        stop_sequence=output.stop_sequence,
+                    )
         except EngineDriverError as exc:
             self._finished = True  # the driver has already dropped the request
             retryable = not isinstance(exc, EngineRequestError)

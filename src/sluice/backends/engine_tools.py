@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from sluice.backends.base import Delta, GenerationRequest, Tool, ToolChoiceMode
 from sluice.backends.tool_call_parser import HermesToolCallParser
-from sluice.engine.engine import RequestOutput
 from sluice.errors import InvalidParameterError
 from sluice.events import FinishReason, TextDelta, ToolCallDelta
 
@@ -68,13 +67,18 @@ def tools_to_show(request: GenerationRequest, *, renders_tools: bool) -> tuple[T
 
 
 def read_tool_calls(
-    parser: HermesToolCallParser, output: RequestOutput, reason: FinishReason | None
+    parser: HermesToolCallParser,
+    text: str,
+    reason: FinishReason | None,
+    *,
+    finished: bool,
+    stop_sequence: str | None = None,
 ) -> Delta:
-    """One engine output read for tool calls: an answer that ended normally after one
-    ends with ``tool_calls`` (a stop string then no longer names the end)."""
-    events: list[TextDelta | ToolCallDelta] = parser.feed(output.new_text)
-    stop_sequence = output.stop_sequence
-    if output.finished:
+    """New text of the answer (one engine output's, say) read for tool calls; at the end
+    (``finished``) an answer that ended normally after one ends with ``tool_calls`` (a stop
+    string then no longer names the end)."""
+    events: list[TextDelta | ToolCallDelta] = parser.feed(text)
+    if finished:
         events += parser.finish()
         if reason is FinishReason.STOP and parser.num_calls:
             reason, stop_sequence = FinishReason.TOOL_CALLS, None

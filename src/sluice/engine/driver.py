@@ -142,20 +142,38 @@ class RequestStream:
     under it.
     """
 
-    __slots__ = ("_done", "_sink", "request_id")
+    __slots__ = ("_done", "_held", "_sink", "request_id")
 
     def __init__(self, request_id: int, sink: _Sink) -> None:
         self.request_id = request_id
         self._sink = sink
         self._done = False
+        self._held: _Item | None = None  # taken by take_ready(), not an output
 
     def __aiter__(self) -> RequestStream:
         return self
 
+    def take_ready(self) -> list[RequestOutput]:
+        """The outputs already here, without waiting: up to the finished one, and none past
+        an end or an error (those are left for the next ``__anext__`` to end or raise). A
+        consumer slower than the engine's steps sends what piled up in one go."""
+        ready: list[RequestOutput] = []
+        queue = self._sink.queue
+        while not self._done and self._held is None and not queue.empty():
+            item = queue.get_nowait()
+            if not isinstance(item, RequestOutput):
+                self._held = item
+                break
+            self._done = item.finished
+            ready.append(item)
+        return ready
+
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        item = await self._sink.queue.get()
+        item, self._held = self._held, None
+        if item is None:
+            item = await self._sink.queue.get()
         if isinstance(item, RequestOutput):
             self._done = item.finished
             return item

@@ -95,6 +95,22 @@ class EngineConfig:
                 f"{self.num_blocks} blocks of {self.block_size} tokens"
             )
 
+    @classmethod
+    def for_serving(
+        cls, n_positions: int, *, num_blocks: int, max_num_seqs: int, block_size: int = 16
+    ) -> EngineConfig:
+        """The limits a server runs a model of ``n_positions`` with (``sluice serve`` and
+        ``sluice worker``): a step budget of 512 tokens, four waiting requests per running
+        one, and a context of the model's positions or the whole cache, the lesser."""
+        return cls(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=512,
+            max_waiting=4 * max_num_seqs,
+            max_model_len=min(n_positions, num_blocks * block_size),
+        )
+
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
