@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from sluice import __version__, loadgen
-from sluice.streams.redis_hub import ClusterSettings
+from sluice.streams.redis_hub import DEFAULT_LEASE_S, ClusterSettings
 from sluice.streams.shared import REDIS_URL_ENV, SharedStreams, shared_token_secret
 from sluice.backends.base import Backend
 from sluice.backends.chat import ChatTemplate
@@ -440,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--producer-lease",
         type=float,
-        default=ClusterSettings.lease_s,
+        default=DEFAULT_LEASE_S,
         metavar="SECONDS",
         help="with --redis: a replica that stops renewing the lease of the streams it "
         "produces for this long is presumed dead; each gets one retryable error event",

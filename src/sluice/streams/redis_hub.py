@@ -62,7 +62,10 @@ from sluice.streams.redis_codec import (
 from sluice.streams.redis_log import WRITE_TIMEOUT_S, RedisEventLog
 from sluice.streams.state import StreamState
 
-__all__ = ["ClusterSettings", "RedisStreamHub"]
+__all__ = ["DEFAULT_LEASE_S", "ClusterSettings", "RedisStreamHub"]
+
+# The bound: a dead producer's streams end within 5 s.
+DEFAULT_LEASE_S = 5.0
 
 logger = logging.getLogger("sluice.streams.redis")
 
@@ -118,7 +121,7 @@ class ClusterSettings:
 
     # A producer whose replica stops refreshing its lease for this long is presumed dead:
     # its streams get their retryable terminal event within it (plus one heartbeat).
-    lease_s: float = 5.0
+    lease_s: float = DEFAULT_LEASE_S
     # Leases and this replica's presence are refreshed, and expired leases swept, this
     # often: a fifth of the lease, so a lease survives a few missed heartbeats.
     heartbeat_s: float = 1.0
