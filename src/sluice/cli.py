@@ -21,8 +21,6 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from sluice import __version__, loadgen
-from sluice.streams.redis_hub import DEFAULT_LEASE_S, ClusterSettings
-from sluice.streams.shared import REDIS_URL_ENV, SharedStreams, shared_token_secret
 from sluice.backends.base import Backend
 from sluice.backends.chat import ChatTemplate
 from sluice.backends.engine import EngineBackend
@@ -57,6 +55,8 @@ from sluice.gateway.settings import (
 )
 from sluice.observability.logs import LOG_FORMATS, configure_logging
 from sluice.streams.log import LogLimits
+from sluice.streams.redis_hub import DEFAULT_LEASE_S, ClusterSettings
+from sluice.streams.shared import REDIS_URL_ENV, SharedStreams, shared_token_secret
 from sluice.transports.delivery import DeliveryOptions
 from sluice.transports.http1.opener import Http1Limits
 from sluice.transports.http1.uvicorn_adapter import exit_without_reraise, protocol_class

@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from sluice.backends.base import Backend
-from sluice.observability.metrics import Metrics
 from sluice.events import RenderMeta
+from sluice.observability.metrics import Metrics
 from sluice.streams.hub import HubSettings, StreamHub
 from sluice.streams.log import EventLog, LogLimits
 from sluice.streams.memory import MemoryEventLog

@@ -55,7 +55,8 @@ def test_a_stream_created_on_one_replica_resumes_on_another_with_the_exact_text(
         stream_id = create(a, text)["id"]
         target = f"/v1/streams/{stream_id}/events"
         first = read_sse(a, target, max_events=20)
-        assert not first.ended and first.last_id is not None
+        assert not first.ended
+        assert first.last_id is not None
         rest = read_sse(b, target, first.last_id)
         assert rest.ended
         events = first.events + rest.events
@@ -152,7 +153,8 @@ def test_killing_the_producer_gives_every_reader_one_retryable_error_within_the_
         final = read_sse(b, target).events
         error = orjson.loads(final[-1].data)
         assert final[-1].event == "error"
-        assert error["retryable"] is True and error["code"] == "unavailable"
+        assert error["retryable"] is True
+        assert error["code"] == "unavailable"
         assert [e.event for e in final].count("error") == 1
         assert httpx.get(f"{c.base_url}/v1/streams/{stream_id}").json()["state"] == "failed"
 

@@ -61,7 +61,9 @@ async def make_log(
 
 
 @pytest.fixture(params=LOG_KINDS)
-async def hub(request: pytest.FixtureRequest, redis_server: RedisServer) -> AsyncIterator[StreamHub]:
+async def hub(
+    request: pytest.FixtureRequest, redis_server: RedisServer
+) -> AsyncIterator[StreamHub]:
     settings = HubSettings(default_grace_s=0.5, retention_s=30.0, max_streams=50)
     backends = {"words": WordsBackend()}
     if request.param == "memory":

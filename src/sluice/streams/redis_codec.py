@@ -43,10 +43,10 @@ __all__ = [
     "LIVE_KEY",
     "decode_append",
     "decode_event",
+    "decode_render",
     "encode_append",
     "encode_event",
     "encode_render",
-    "decode_render",
     "entry_id",
     "entry_seq",
     "events_channel",
@@ -182,7 +182,13 @@ def decode_render(data: bytes) -> RenderMeta | None:
     item = orjson.loads(data)
     options = tuple((str(k), str(v)) for k, v in item[6])
     return RenderMeta(
-        str(item[0]), str(item[1]), str(item[2]), int(item[3]), bool(item[4]), bool(item[5]), options
+        str(item[0]),
+        str(item[1]),
+        str(item[2]),
+        int(item[3]),
+        bool(item[4]),
+        bool(item[5]),
+        options,
     )
 
 

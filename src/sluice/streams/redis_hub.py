@@ -217,12 +217,18 @@ class RedisStreamHub(StreamHub):
         settings = self.settings
         lease_ms = int((time.time() + self.cluster.lease_s) * 1000)
         ttl_s = int(settings.max_stream_s + settings.retention_s) + 1
-        fields: list[object] = [
+        fields: list[str | int | float] = [
             "model", model, "tenant", tenant, "resumable", int(resumable), "grace_s", grace_s,
             "created", time.time(), "owner", self.replica_id, "state", "queued",
         ]  # fmt: skip
         keys = [LIVE_KEY, tenant_live_key(tenant), meta_key(stream_id), LEASES_KEY]
-        args = [stream_id, settings.max_streams, settings.max_streams_per_tenant, lease_ms, ttl_s]
+        args: list[str | int | float] = [
+            stream_id,
+            settings.max_streams,
+            settings.max_streams_per_tenant,
+            lease_ms,
+            ttl_s,
+        ]
         try:
             async with asyncio.timeout(WRITE_TIMEOUT_S):
                 answer = await self._admit(keys=keys, args=[*args, *fields])
@@ -285,13 +291,14 @@ class RedisStreamHub(StreamHub):
             return
         try:
             async with asyncio.timeout(WRITE_TIMEOUT_S):
-                fields = await self._client.hgetall(meta_key(stream_id))
+                answer = await self._client.hgetall(meta_key(stream_id))
         except (RedisError, OSError, TimeoutError) as exc:
             raise CapacityError(
                 "the shared stream registry (Redis) is unavailable",
                 retry_after_s=self.settings.retry_after_s,
                 reason="registry_unavailable",
             ) from exc
+        fields = {k: v for k, v in answer.items() if isinstance(k, bytes) and isinstance(v, bytes)}
         if not fields:
             return
         record = text_fields(fields)

@@ -163,7 +163,17 @@ class RedisEventLog:
         for i, (event, data) in enumerate(zip(events, encoded, strict=True)):
             marker = ("t", "1") if is_terminal(event) else ()
             commands.append(
-                ("XADD", key, "MAXLEN", "~", max_records, entry_id(next_seq + i), "e", data, *marker)
+                (
+                    "XADD",
+                    key,
+                    "MAXLEN",
+                    "~",
+                    max_records,
+                    entry_id(next_seq + i),
+                    "e",
+                    data,
+                    *marker,
+                )
             )
         commands.append(("PUBLISH", events_channel(stream_id), encode_append(next_seq, encoded)))
         await self._wait(_Write(commands, None, stream_id, events))
@@ -359,10 +369,14 @@ class RedisEventLog:
         entries: list[tuple[int, NeutralEvent]] = []
         while True:
             raw = await self._client.xrange(log_key(stream_id), start, "+", count=_RANGE_COUNT)
-            entries.extend((entry_seq(eid), decode_event(fields[b"e"])) for eid, fields in raw)
+            raw = raw or []
+            for eid, fields in raw:
+                if not isinstance(eid, bytes):
+                    raise ValueError("an entry without an id")
+                entries.append((entry_seq(eid), decode_event(_field(fields, b"e"))))
             if len(raw) < _RANGE_COUNT:
                 return entries
-            start = f"({raw[-1][0].decode()}"
+            start = f"({entry_id(entries[-1][0])}"
 
     def _apply_entries(self, stream_id: str, entries: list[tuple[int, NeutralEvent]]) -> None:
         last = self.mirror.last_seq(stream_id)
@@ -399,7 +413,7 @@ class RedisEventLog:
                 self._pubsub = None
                 self._lose_all()
                 with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
             await asyncio.sleep(RECONNECT_DELAY_S)
 
     async def _dispatch(self, channel: bytes, data: bytes) -> None:
@@ -434,6 +448,15 @@ class RedisEventLog:
         if self.on_lost is not None:
             self.on_lost(stream_id)
         self.mirror.drop(stream_id)
+
+
+def _field(fields: object, name: bytes) -> bytes:
+    """Field ``name`` of an entry as redis-py returns it (a dict of bytes)."""
+    if isinstance(fields, dict):
+        value = fields.get(name)
+        if isinstance(value, bytes):
+            return value
+    raise ValueError(f"an entry without its {name.decode()!r} field")
 
 
 async def _quietly(awaitable: Awaitable[object]) -> None:

@@ -8,9 +8,8 @@ than hanging it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import secrets
+from dataclasses import dataclass, field
 
 import redis as sync_redis
 import redis.asyncio as redis
