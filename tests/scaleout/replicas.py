@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import orjson
@@ -14,7 +14,16 @@ from sluice.sse import Decoder, Event
 from tests.rawhttp import open_get
 from tests.server import ServerProcess
 
-__all__ = ["Read", "kv_blocks_used", "read_sse", "replicas", "text_of", "wait_until"]
+__all__ = [
+    "Read",
+    "event_seqs",
+    "kv_blocks_used",
+    "read_resuming",
+    "read_sse",
+    "replicas",
+    "text_of",
+    "wait_until",
+]
 
 
 @contextlib.contextmanager
@@ -97,3 +106,60 @@ def wait_until(condition: object, what: str, timeout_s: float = 10.0) -> None:
             return
         time.sleep(0.02)  # polling an observable condition with a deadline
     raise AssertionError(f"never happened: {what}")
+
+
+_TERMINAL = ("done", "error")
+
+
+def read_resuming(
+    port: int,
+    target: str,
+    *,
+    cut_after_events: Callable[[], int | None] = lambda: None,
+    deadline_s: float = 60.0,
+    moved: Callable[[], None] | None = None,
+) -> list[Event]:
+    """Read ``target`` through 127.0.0.1:``port`` to its terminal event as EventSource
+    would: whenever a connection ends without it (a gateway killed, a refusal's ``retry:``
+    only answer, a cut), reconnect with the last id seen, after 100 ms. Each connection
+    is cut after ``cut_after_events()`` events (``None``: never). Returns every event
+    received, in order (so a doubled one shows)."""
+    events: list[Event] = []
+    last_id: str | None = None
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        headers = {"Last-Event-ID": last_id} if last_id else {}
+        cut = cut_after_events()
+        try:
+            response = open_get(port, target, headers)
+        except OSError:
+            time.sleep(0.1)  # EventSource's reconnection delay, not a synchronisation
+            continue
+        if response.status == 204:
+            response.close()
+            return events
+        got = 0
+        try:
+            if response.status == 200:
+                decoder = Decoder()
+                for piece in response.body():
+                    for event in decoder.feed(piece):
+                        events.append(event)
+                        last_id = event.id or last_id
+                        got += 1
+                        if event.event in _TERMINAL:
+                            return events
+                    if cut is not None and got >= cut:
+                        break
+        except OSError:
+            pass  # the gateway went away mid-body: resume
+        finally:
+            response.close()
+        if moved is not None:
+            moved()
+        time.sleep(0.1)  # EventSource's reconnection delay, not a synchronisation
+    raise AssertionError(f"{target}: no terminal event within {deadline_s} s")
+
+
+def event_seqs(events: list[Event]) -> list[int]:
+    return [int(str(e.id).rsplit(":", 1)[1]) for e in events if e.id]

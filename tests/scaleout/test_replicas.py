@@ -6,7 +6,6 @@ each test on a database of its own.
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +13,6 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-import redis
 
 from tests.redis_server import RedisServer
 from tests.scaleout.replicas import kv_blocks_used, read_sse, replicas, text_of, wait_until
@@ -22,17 +20,6 @@ from tests.server import ServerProcess, wait_for_state
 
 # Several processes start per test (seconds each on a loaded machine).
 pytestmark = pytest.mark.timeout(240)
-
-_DATABASES = itertools.count(1)
-
-
-@pytest.fixture
-def redis_url(redis_server: RedisServer) -> str:
-    """A flushed database of the session's Redis."""
-    url = f"redis://127.0.0.1:{redis_server.port}/{next(_DATABASES) % 16}"
-    with redis.Redis.from_url(url) as client:
-        client.flushdb()
-    return url
 
 
 def create(server: ServerProcess, text: str, **more: object) -> dict[str, object]:

@@ -1,0 +1,341 @@
+"""Chaos: three ``sluice serve --redis`` gateways behind nginx (round-robin, no stickiness,
+default buffering), clients that resume as EventSource does, and processes killed under
+them. Every text must come out exact: 0 events lost, 0 doubled, exactly one terminal.
+
+The scenarios, in the issue's order of priority: a killed gateway that served a client;
+a cancel on another gateway; a killed producer; a SIGTERM under 50 live streams; a Redis
+restart; 1,000 streams whose readers move between gateways.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from playwright.sync_api import Browser
+
+from sluice.sse import Decoder, Event
+from tests.redis_server import RedisServer
+from tests.scaleout.nginx import Nginx
+from tests.scaleout.replicas import (
+    event_seqs,
+    kv_blocks_used,
+    read_resuming,
+    replicas,
+    text_of,
+    wait_until,
+)
+from tests.server import ServerProcess, wait_for_state
+
+# Three gateways, nginx and the clients start per test (a minute on a loaded machine).
+pytestmark = pytest.mark.timeout(300)
+
+_OPTIONS = ("--retry", "100", "--producer-lease", "2")
+
+
+@contextlib.contextmanager
+def balanced(
+    tmp_path: Path, redis_url: str, *options: str, engine: bool = False
+) -> Iterator[tuple[list[ServerProcess], Nginx]]:
+    with (
+        replicas(redis_url, 3, *_OPTIONS, *options, engine=engine) as gateways,
+        Nginx(tmp_path, [g.port for g in gateways]) as nginx,
+    ):
+        yield gateways, nginx
+
+
+def create(server: ServerProcess, text: str, interval_ms: int = 20) -> str:
+    body = {"model": "words", "prompt": text, "interval_ms": interval_ms}
+    response = httpx.post(f"{server.base_url}/v1/streams", json=body)
+    assert response.status_code == 201, response.text
+    return str(response.json()["id"])
+
+
+def words(count: int, tag: str = "w") -> str:
+    return " ".join(f"{tag}{i}é" for i in range(count))
+
+
+def readers_on(server: ServerProcess, stream_id: str) -> int:
+    try:
+        described = httpx.get(f"{server.base_url}/v1/streams/{stream_id}", timeout=5).json()
+    except httpx.HTTPError:
+        return 0
+    return int(described.get("readers", 0))
+
+
+def assert_exact(events: list[Event], text: str) -> None:
+    seqs = event_seqs(events)
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # none lost, none doubled
+    assert seqs[0] == 1
+    assert text_of(events) == text
+    terminals = [e for e in events if e.event in ("done", "error")]
+    assert [(e.event, orjson.loads(e.data)) for e in terminals] == [("done", {"reason": "stop"})]
+
+
+# Records what the page's EventSource sees: every event's id, the text, the terminal.
+_OPEN = """url => {
+    const seen = {ids: [], text: "", done: [], errors: 0, opens: 0};
+    const es = new EventSource(url);
+    es.onopen = () => { seen.opens += 1; };
+    for (const name of ["start", "usage"]) {
+        es.addEventListener(name, (ev) => { seen.ids.push(ev.lastEventId); });
+    }
+    es.addEventListener("token", (ev) => {
+        seen.ids.push(ev.lastEventId);
+        seen.text += JSON.parse(ev.data).text;
+    });
+    es.addEventListener("done", (ev) => {
+        seen.ids.push(ev.lastEventId);
+        seen.done.push(JSON.parse(ev.data).reason);
+        es.close();
+    });
+    es.onerror = () => { seen.errors += 1; };
+    window.seen = seen;
+}"""
+
+
+@pytest.mark.browser
+def test_1_killing_the_gateway_serving_a_client_mid_stream_loses_and_doubles_nothing(
+    tmp_path: Path, redis_url: str, browser: Browser
+) -> None:
+    with balanced(tmp_path, redis_url) as (gateways, nginx):
+        producer = gateways[0]
+        text = words(300)
+        stream_id = create(producer, text, interval_ms=25)  # 7.5 s
+        target = f"/v1/streams/{stream_id}/events"
+        page = browser.new_page()
+        page.set_default_timeout(60_000)
+        page.goto(f"{nginx.base_url}/")
+        page.evaluate(_OPEN, target)
+        raw: dict[str, list[Event]] = {}
+        client = threading.Thread(
+            target=lambda: raw.setdefault("events", read_resuming(nginx.port, target))
+        )
+        client.start()
+
+        def served_elsewhere() -> bool:
+            """The page's reader is on a gateway that does not run the stream (else it is
+            moved: the server drops its connection and EventSource comes back through
+            nginx, to the next gateway)."""
+            if readers_on(producer, stream_id) and not any(
+                readers_on(g, stream_id) for g in gateways[1:]
+            ):
+                httpx.post(f"{producer.base_url}/v1/streams/{stream_id}/drop")
+                return False
+            return any(readers_on(g, stream_id) for g in gateways[1:])
+
+        wait_until(served_elsewhere, "a reader on a gateway that does not run the stream")
+        victim = next(g for g in gateways[1:] if readers_on(g, stream_id))
+        assert victim.process is not None
+        victim.process.kill()  # kill -9, mid-stream
+        described = httpx.get(f"{producer.base_url}/v1/streams/{stream_id}").json()
+        assert described["state"] == "running"  # it was killed mid-stream
+        page.wait_for_function("window.seen.done.length > 0")
+        seen = page.evaluate("window.seen")
+        assert seen["opens"] >= 2  # it reconnected
+        seqs = [int(i.rsplit(":", 1)[1]) for i in seen["ids"]]
+        assert seqs == list(range(1, len(seqs) + 1))
+        assert seen["text"] == text
+        assert seen["done"] == ["stop"]
+        client.join(timeout=60)
+        assert not client.is_alive()
+        assert_exact(raw["events"], text)
+
+
+def test_3_cancel_on_one_gateway_stops_the_generation_on_another_and_frees_kv(
+    tmp_path: Path, redis_url: str
+) -> None:
+    with balanced(tmp_path, redis_url, engine=True) as (gateways, nginx):
+        a, b = gateways[0], gateways[1]
+        body = {"prompt": "Once upon a time", "max_tokens": 240, "temperature": 1.0}
+        response = httpx.post(f"{a.base_url}/v1/streams", json=body)
+        assert response.status_code == 201, response.text
+        stream_id = str(response.json()["id"])
+        target = f"/v1/streams/{stream_id}/events"
+        reading: dict[str, list[Event]] = {}
+        reader = threading.Thread(
+            target=lambda: reading.setdefault("events", read_resuming(nginx.port, target))
+        )
+        reader.start()
+        wait_until(lambda: kv_blocks_used(a) > 0, "the engine runs the stream")
+        assert httpx.post(f"{b.base_url}/v1/streams/{stream_id}/cancel").status_code == 202
+        wait_for_state(a, stream_id, "cancelled")
+        wait_until(lambda: kv_blocks_used(a) == 0, "the engine freed its KV blocks")
+        reader.join(timeout=30)
+        assert not reader.is_alive()
+        events = reading["events"]
+        done = [orjson.loads(e.data) for e in events if e.event == "done"]
+        assert done == [{"reason": "cancelled"}]
+        assert (
+            orjson.loads(next(e for e in events if e.event == "usage").data)["completion_tokens"]
+            < 240
+        )
+
+
+def test_2_killing_the_producer_ends_every_reader_with_one_retryable_error(
+    tmp_path: Path, redis_url: str
+) -> None:
+    with balanced(tmp_path, redis_url) as (gateways, nginx):
+        producer = gateways[0]
+        stream_id = create(producer, words(3000), interval_ms=20)
+        target = f"/v1/streams/{stream_id}/events"
+        results: list[list[Event]] = []
+        readers = [
+            threading.Thread(target=lambda: results.append(read_resuming(nginx.port, target)))
+            for _ in range(4)
+        ]
+        for thread in readers:
+            thread.start()
+        wait_until(lambda: sum(readers_on(g, stream_id) for g in gateways) == 4, "four readers")
+        assert producer.process is not None
+        producer.process.kill()
+        for thread in readers:
+            thread.join(timeout=30)
+            assert not thread.is_alive(), "a reader hung"
+        assert len(results) == 4
+        for events in results:
+            seqs = event_seqs(events)
+            assert seqs == list(range(1, len(seqs) + 1))
+            terminals = [e for e in events if e.event in ("done", "error")]
+            assert [e.event for e in terminals] == ["error"]
+            error = orjson.loads(terminals[0].data)
+            assert error["retryable"] is True
+            assert error["code"] == "unavailable"
+
+
+def test_5_sigterm_under_50_live_streams_moves_their_clients_and_completes_each(
+    tmp_path: Path, redis_url: str
+) -> None:
+    with balanced(tmp_path, redis_url) as (gateways, nginx):
+        texts = [words(60, tag=f"s{n}.") for n in range(50)]
+        ids = [create(gateways[n % 3], text, interval_ms=40) for n, text in enumerate(texts)]
+        results: dict[int, list[Event]] = {}
+
+        def read(n: int) -> None:
+            results[n] = read_resuming(nginx.port, f"/v1/streams/{ids[n]}/events")
+
+        threads = [threading.Thread(target=read, args=(n,)) for n in range(50)]
+        for thread in threads:
+            thread.start()
+        terminated = gateways[2]
+        wait_until(
+            lambda: readers_on(terminated, ids[2]) or any(readers_on(g, ids[2]) for g in gateways),
+            "the streams are read",
+        )
+        assert terminated.process is not None
+        terminated.process.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(timeout=60)
+            assert not thread.is_alive(), "a reader hung"
+        for n, text in enumerate(texts):
+            assert_exact(results[n], text)
+        assert terminated.process.wait(timeout=30) == 0
+
+
+def test_4_a_redis_restart_mid_stream_ends_each_stream_exactly_or_with_one_retryable_error(
+    tmp_path: Path,
+) -> None:
+    with RedisServer(tmp_path, appendonly=True) as own_redis:
+        (tmp_path / "lb").mkdir()
+        with balanced(tmp_path / "lb", own_redis.url) as (gateways, nginx):
+            texts = [words(80, tag=f"r{n}.") for n in range(10)]
+            ids = [create(gateways[n % 3], t, interval_ms=25) for n, t in enumerate(texts)]
+            results: dict[int, list[Event]] = {}
+
+            def read(n: int) -> None:
+                results[n] = read_resuming(nginx.port, f"/v1/streams/{ids[n]}/events")
+
+            threads = [threading.Thread(target=read, args=(n,)) for n in range(10)]
+            for thread in threads:
+                thread.start()
+            wait_until(
+                lambda: (
+                    all(readers_on(gateways[n % 3], ids[n]) >= 0 for n in range(10))
+                    and httpx.get(f"{gateways[0].base_url}/v1/streams/{ids[0]}").json()["events"]
+                    > 10
+                ),
+                "the streams run",
+            )
+            own_redis.restart()
+            for thread in threads:
+                thread.join(timeout=60)
+                assert not thread.is_alive(), "a stream hung"
+        outcomes = set()
+        for n, text in enumerate(texts):
+            events = results[n]
+            seqs = event_seqs(events)
+            assert seqs == list(range(1, len(seqs) + 1)), n  # none lost, none doubled
+            terminals = [e for e in events if e.event in ("done", "error")]
+            assert len(terminals) == 1, n
+            if terminals[0].event == "done":
+                assert text_of(events) == text
+                outcomes.add("complete")
+            else:
+                assert orjson.loads(terminals[0].data)["retryable"] is True
+                assert text.startswith(text_of(events))
+                outcomes.add("retryable_error")
+        assert outcomes
+
+
+async def _read_moving(client: httpx.AsyncClient, url: str, rng: random.Random) -> list[Event]:
+    """Read a stream through nginx, leaving after a few events each time and coming back
+    with Last-Event-ID (round-robin sends each connection to another gateway)."""
+    events: list[Event] = []
+    last_id: str | None = None
+    for _ in range(400):
+        headers = {"Last-Event-ID": last_id} if last_id else {}
+        cut = rng.randint(2, 12)
+        got = 0
+        async with client.stream("GET", url, headers=headers) as response:
+            if response.status_code == 204:
+                return events
+            assert response.status_code == 200, response.status_code
+            decoder = Decoder()
+            async for piece in response.aiter_raw():
+                for event in decoder.feed(piece):
+                    events.append(event)
+                    last_id = event.id or last_id
+                    got += 1
+                    if event.event in ("done", "error"):
+                        return events
+                if got >= cut:
+                    break
+    raise AssertionError(f"{url}: never ended")
+
+
+def test_6_a_thousand_streams_whose_readers_move_between_gateways_are_all_exact(
+    tmp_path: Path, redis_url: str
+) -> None:
+    num_streams = 1000
+    with balanced(tmp_path, redis_url, "--grace", "30") as (_, nginx):
+
+        async def run() -> dict[int, list[Event]]:
+            limits = httpx.Limits(max_connections=400, max_keepalive_connections=0)
+            timeout = httpx.Timeout(60.0)
+            async with httpx.AsyncClient(
+                base_url=nginx.base_url, limits=limits, timeout=timeout
+            ) as client:
+                texts = {n: words(12, tag=f"t{n}.") for n in range(num_streams)}
+
+                async def one(n: int) -> list[Event]:
+                    body = {"model": "words", "prompt": texts[n], "interval_ms": 50}
+                    created = await client.post("/v1/streams", json=body)
+                    assert created.status_code == 201, created.text
+                    url = f"/v1/streams/{created.json()['id']}/events"
+                    return await _read_moving(client, url, random.Random(n))
+
+                results = await asyncio.gather(*(one(n) for n in range(num_streams)))
+                for n, events in enumerate(results):
+                    assert_exact(events, texts[n])
+                return dict(enumerate(results))
+
+        results = asyncio.run(run())
+        assert len(results) == num_streams
