@@ -102,52 +102,73 @@ _OPEN = """url => {
 }"""
 
 
+def reader_off_producer(
+    producer: ServerProcess, others: list[ServerProcess], stream_id: str
+) -> ServerProcess:
+    """The gateway (not the producer) that serves the stream's one reader, once there is
+    one: a reader on the producer is moved (the server drops its connection and the
+    client comes back through nginx, to the next gateway)."""
+
+    def elsewhere() -> bool:
+        if any(readers_on(g, stream_id) for g in others):
+            return True
+        if readers_on(producer, stream_id):
+            httpx.post(f"{producer.base_url}/v1/streams/{stream_id}/drop")
+        return False
+
+    wait_until(elsewhere, "a reader on a gateway that does not run the stream")
+    return next(g for g in others if readers_on(g, stream_id))
+
+
+def kill_mid_stream(victim: ServerProcess, producer: ServerProcess, stream_id: str) -> None:
+    assert victim.process is not None
+    victim.process.kill()  # kill -9
+    victim.process.wait()
+    described = httpx.get(f"{producer.base_url}/v1/streams/{stream_id}").json()
+    assert described["state"] == "running"  # it was killed mid-stream
+
+
 @pytest.mark.browser
 def test_1_killing_the_gateway_serving_a_client_mid_stream_loses_and_doubles_nothing(
     tmp_path: Path, redis_url: str, browser: Browser
 ) -> None:
+    """Two clients, each of its own stream run by one gateway and read through nginx on
+    another: Chromium's EventSource and a plain client that resumes with Last-Event-ID.
+    The gateways serving them are killed; both come back through nginx elsewhere."""
     with balanced(tmp_path, redis_url) as (gateways, nginx):
-        producer = gateways[0]
-        text = words(300)
-        stream_id = create(producer, text, interval_ms=25)  # 7.5 s
-        target = f"/v1/streams/{stream_id}/events"
+        producer, others = gateways[0], gateways[1:]
+        page_text, raw_text = words(300), words(300, tag="x")
+        page_stream = create(producer, page_text, interval_ms=25)  # 7.5 s
+        raw_stream = create(producer, raw_text, interval_ms=25)
         page = browser.new_page()
         page.set_default_timeout(60_000)
         page.goto(f"{nginx.base_url}/")
-        page.evaluate(_OPEN, target)
+        page.evaluate(_OPEN, f"/v1/streams/{page_stream}/events")
+        page_gateway = reader_off_producer(producer, others, page_stream)
+        moves: list[int] = []
         raw: dict[str, list[Event]] = {}
+        target = f"/v1/streams/{raw_stream}/events"
         client = threading.Thread(
-            target=lambda: raw.setdefault("events", read_resuming(nginx.port, target))
+            target=lambda: raw.setdefault(
+                "events", read_resuming(nginx.port, target, moved=lambda: moves.clear())
+            )
         )
         client.start()
-
-        def served_elsewhere() -> bool:
-            """The page's reader is on a gateway that does not run the stream (else it is
-            moved: the server drops its connection and EventSource comes back through
-            nginx, to the next gateway)."""
-            if readers_on(producer, stream_id) and not any(
-                readers_on(g, stream_id) for g in gateways[1:]
-            ):
-                httpx.post(f"{producer.base_url}/v1/streams/{stream_id}/drop")
-                return False
-            return any(readers_on(g, stream_id) for g in gateways[1:])
-
-        wait_until(served_elsewhere, "a reader on a gateway that does not run the stream")
-        victim = next(g for g in gateways[1:] if readers_on(g, stream_id))
-        assert victim.process is not None
-        victim.process.kill()  # kill -9, mid-stream
-        described = httpx.get(f"{producer.base_url}/v1/streams/{stream_id}").json()
-        assert described["state"] == "running"  # it was killed mid-stream
+        raw_gateway = reader_off_producer(producer, others, raw_stream)
+        moves.append(1)  # cleared by the client's next reconnection
+        for victim in {page_gateway.port: page_gateway, raw_gateway.port: raw_gateway}.values():
+            kill_mid_stream(victim, producer, page_stream)
         page.wait_for_function("window.seen.done.length > 0")
         seen = page.evaluate("window.seen")
-        assert seen["opens"] >= 2  # it reconnected
+        assert seen["opens"] >= 2  # it reconnected, through nginx, to a live gateway
         seqs = [int(i.rsplit(":", 1)[1]) for i in seen["ids"]]
         assert seqs == list(range(1, len(seqs) + 1))
-        assert seen["text"] == text
+        assert seen["text"] == page_text
         assert seen["done"] == ["stop"]
         client.join(timeout=60)
         assert not client.is_alive()
-        assert_exact(raw["events"], text)
+        assert not moves  # it reconnected after the kill
+        assert_exact(raw["events"], raw_text)
 
 
 def test_3_cancel_on_one_gateway_stops_the_generation_on_another_and_frees_kv(
