@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import time
 from collections.abc import Callable, Iterator
 
@@ -17,6 +18,7 @@ from tests.server import ServerProcess
 __all__ = [
     "Read",
     "event_seqs",
+    "kill",
     "kv_blocks_used",
     "read_resuming",
     "read_sse",
@@ -163,3 +165,14 @@ def read_resuming(
 
 def event_seqs(events: list[Event]) -> list[int]:
     return [int(str(e.id).rsplit(":", 1)[1]) for e in events if e.id]
+
+
+def kill(server: ServerProcess, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to the server (``kill -9`` by default) and close the test's own copy
+    of its listening socket, so that once the server is gone its port refuses connections
+    (a load balancer then tries the next gateway) instead of queueing them unanswered."""
+    assert server.process is not None
+    server.process.send_signal(sig)
+    if sig == signal.SIGKILL:
+        server.process.wait()
+    server.sock.close()

@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from tests.redis_server import RedisServer
-from tests.scaleout.replicas import kv_blocks_used, read_sse, replicas, text_of, wait_until
+from tests.scaleout.replicas import kill, kv_blocks_used, read_sse, replicas, text_of, wait_until
 from tests.server import ServerProcess, wait_for_state
 
 # Several processes start per test (seconds each on a loaded machine).
@@ -127,9 +127,7 @@ def test_killing_the_producer_gives_every_reader_one_retryable_error_within_the_
         for thread in followers:
             thread.start()
         wait_until(lambda: kv_free_or_tokens(b, stream_id), "b's reader got tokens")
-        assert a.process is not None
-        a.process.kill()  # kill -9
-        a.process.wait()
+        kill(a)
         for thread in followers:
             thread.join(timeout=15)
             assert not thread.is_alive(), "a reader hung"
@@ -157,9 +155,7 @@ def test_killing_a_replica_that_only_serves_readers_loses_nothing(redis_url: str
         stream_id = create(a, text, interval_ms=10)["id"]
         target = f"/v1/streams/{stream_id}/events"
         first = read_sse(b, target, max_events=25)
-        assert b.process is not None
-        b.process.kill()
-        b.process.wait()
+        kill(b)
         rest = read_sse(c, target, first.last_id)
         assert text_of(first.events + rest.events) == text
 

@@ -14,9 +14,9 @@ producer, as one process would; what the others need is in Redis (key names in
 - **Cancel bus**: each replica listens on its own control channel; a cancel, or a reader
   joining or leaving, on another replica is published to the owner's.
 - **Reader presence**: the owner counts replicas that hold readers of its streams
-  (``joined``/``left`` messages); a replica's presence is leased by its heartbeat key
-  (``sluice:replica:<id>``), so a reader's replica that dies stops keeping a stream alive
-  within a lease. The last-reader and grace rules count those replicas as readers.
+  (``joined``/``left`` messages, ``joined`` repeated every heartbeat); a replica's presence
+  is leased by its heartbeat key (``sluice:replica:<id>``), so a reader's replica that dies
+  stops keeping a stream alive within a lease. The last-reader and grace rules count those replicas as readers.
 - **Producer lease**: the owner refreshes ``sluice:leases`` (stream id -> expiry) every
   heartbeat. Every replica sweeps expired leases with one Lua call each, which appends
   **one** retryable ``Error("unavailable")`` to a log not already ended (the terminal
@@ -491,9 +491,17 @@ class RedisStreamHub(StreamHub):
                 pipe.zadd(LEASES_KEY, dict.fromkeys(live, now_ms + lease_ms), xx=True)
             for replica in readers:
                 pipe.exists(replica_key(replica))
+            # Readers here of streams run elsewhere: told again every heartbeat, so an owner
+            # that took this replica for gone (a missed heartbeat) counts them again.
+            for stream_id, stream in self._remote.items():
+                owner = self._owners.get(stream_id)
+                if stream.readers and owner is not None and not stream.is_terminal:
+                    message = f"joined {stream_id} {self.replica_id}"
+                    pipe.publish(replica_control_channel(owner), message)
             pipe.zrangebyscore(LEASES_KEY, "-inf", now_ms, start=0, num=_MAX_REAPED_PER_SWEEP)
             answers = await pipe.execute()
-            alive = dict(zip(readers, answers[1 + bool(live) : -1], strict=True))
+            first = 1 + bool(live)
+            alive = dict(zip(readers, answers[first : first + len(readers)], strict=True))
             for replica, exists in alive.items():
                 if not exists:
                     self._replica_gone(replica)
