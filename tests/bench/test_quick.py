@@ -103,3 +103,10 @@ def test_transports_quick_run_delivers_every_token_on_every_transport() -> None:
     # Exit 0 already means no token lost or doubled; the row says so for each transport.
     lost = table_row(output, "| tokens lost, doubled or failed streams (all levels) |")
     assert lost[1:] == ["0"] * 5, lost
+
+
+def test_scaleout_quick_compares_the_redis_log_with_the_memory_log() -> None:
+    output = run_quick("scaleout")
+    rounds = table_row(output, "| round trips per step")
+    assert float(rounds[2]) <= 1.5  # the step's appends share a round trip
+    assert table_row(output, "| resume on another replica")[4] in ("PASS", "MISS")

@@ -5,9 +5,10 @@ replica keeps a local mirror (a :class:`~sluice.streams.memory.MemoryEventLog`, 
 frame cache as its observer) of the streams it writes or serves, and reads that.
 
 - **Writes** (the producer's replica; inside :meth:`running`, where a writer task batches
-  them, else one pipeline per append): :meth:`append` assigns the seqs, queues an ``XADD``
-  per event (entry id ``0-<seq>``, ``MAXLEN ~`` the record bound) and one ``PUBLISH`` of
-  the whole append, and waits for the writer. The writer sends everything queued since
+  them, else one round trip per append): :meth:`append` assigns the seqs, queues its
+  events for an ``XADD`` each (entry id ``0-<seq>``, ``MAXLEN ~`` the record bound) and a
+  ``PUBLISH`` of the whole append, and waits for the writer. Every append of a round trip
+  goes in ONE Lua call (``_APPEND``), so redis-py packs one command per step. The writer sends everything queued since
   its last round trip as one pipeline, so an engine step that appends a token to 1,000
   streams costs one round trip, not 1,000; it applies each append to the mirror (and
   wakes the local readers) once Redis has it, so no replica ever shows an event another
@@ -34,7 +35,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import redis.asyncio as redis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from sluice.errors import BackendError, StreamNotFoundError
 from sluice.events import NeutralEvent, is_terminal
@@ -67,6 +68,46 @@ _RANGE_COUNT = 1_000
 RECONNECT_DELAY_S = 0.25
 
 
+# The appends of one round trip, for every stream in it: KEYS are the streams' logs; ARGV
+# is the record bound, then per stream its first seq, its number of events, whether the
+# last one is terminal, the events, and the message to publish. An entry id at or below
+# the log's last (a lease already ended the stream) fails that stream's append: 0.
+_APPEND = """
+local maxlen = ARGV[1]
+local a = 2
+local out = {}
+for i = 1, #KEYS do
+  local first = tonumber(ARGV[a])
+  local n = tonumber(ARGV[a + 1])
+  local terminal = ARGV[a + 2]
+  a = a + 3
+  local ok = 1
+  for j = 0, n - 1 do
+    local res
+    if terminal == '1' and j == n - 1 then
+      res = redis.pcall('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '0-' .. (first + j),
+                        'e', ARGV[a + j], 't', '1')
+    else
+      res = redis.pcall('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '0-' .. (first + j),
+                        'e', ARGV[a + j])
+    end
+    if type(res) == 'table' and res.err then
+      ok = 0
+      break
+    end
+  end
+  a = a + n
+  if ok == 1 then
+    local channel = (string.gsub(KEYS[i], ':log$', ':events'))
+    redis.call('PUBLISH', channel, ARGV[a])
+  end
+  a = a + 1
+  out[i] = ok
+end
+return out
+"""
+
+
 class RedisUnavailableError(BackendError):
     """Redis did not take a write (down, restarting, or too slow to answer)."""
 
@@ -78,9 +119,11 @@ class RedisUnavailableError(BackendError):
 class _Write:
     commands: list[tuple[object, ...]]
     future: asyncio.Future[None] | None
-    # The append this write carries, applied to the mirror once Redis has it.
+    # The append this write carries, applied to the mirror once Redis has it, and its
+    # arguments of the round trip's one _APPEND call.
     stream_id: str = ""
     events: Sequence[NeutralEvent] = ()
+    append_args: Sequence[bytes | int] = ()
 
 
 @dataclass(slots=True)
@@ -112,6 +155,7 @@ class RedisEventLog:
         self._pubsub: redis.client.PubSub | None = None
         self._control: tuple[str, Callable[[bytes], None]] | None = None
         self._running = False
+        self._append_sha: str | None = None
         self._tasks: asyncio.TaskGroup | None = None
         self.on_lost: Callable[[str], None] | None = None
         """Called with each followed stream dropped because Redis went away."""
@@ -156,27 +200,13 @@ class RedisEventLog:
                 raise StreamNotFoundError(stream_id)
             return self.mirror.extend(stream_id, events)
         self._next_seq[stream_id] = next_seq + len(events)
-        key = log_key(stream_id)
-        max_records = self._limits.max_records
         encoded = [encode_event(event) for event in events]
-        commands: list[tuple[object, ...]] = []
-        for i, (event, data) in enumerate(zip(events, encoded, strict=True)):
-            marker = ("t", "1") if is_terminal(event) else ()
-            commands.append(
-                (
-                    "XADD",
-                    key,
-                    "MAXLEN",
-                    "~",
-                    max_records,
-                    entry_id(next_seq + i),
-                    "e",
-                    data,
-                    *marker,
-                )
-            )
-        commands.append(("PUBLISH", events_channel(stream_id), encode_append(next_seq, encoded)))
-        await self._wait(_Write(commands, None, stream_id, events))
+        terminal = b"1" if events and is_terminal(events[-1]) else b"0"
+        # The append's part of the step's one APPEND call (see _APPEND):
+        # first seq, count, terminal flag, the events, the published message.
+        args: list[bytes | int] = [next_seq, len(encoded), terminal, *encoded]
+        args.append(encode_append(next_seq, encoded))
+        await self._wait(_Write([], None, stream_id, events, args))
         return next_seq + len(events) - 1
 
     def read(self, stream_id: str, after_seq: int, max_records: int) -> Batch:
@@ -279,24 +309,37 @@ class RedisEventLog:
             await self._flush(batch)
 
     async def _flush(self, batch: list[_Write]) -> None:
-        pipe = self._client.pipeline(transaction=False)
-        for write in batch:
-            for command in write.commands:
-                pipe.execute_command(*command)
-        self.num_round_trips += 1
+        """One round trip: the batch's commands in order, then all its appends in one
+        ``_APPEND`` call (a command each would cost redis-py more CPU than the token)."""
+        appends = [write for write in batch if write.stream_id]
+        keys = [log_key(write.stream_id) for write in appends]
+        args: list[bytes | int] = [self._limits.max_records]
+        for write in appends:
+            args.extend(write.append_args)
         try:
             async with asyncio.timeout(WRITE_TIMEOUT_S):
-                results = await pipe.execute(raise_on_error=False)
+                results = await self._send_batch(batch, keys, args)
+                if appends and isinstance(results[-1], NoScriptError):  # Redis restarted
+                    self._append_sha = None
+                    results = await self._send_batch(batch, keys, args)
         except (RedisError, OSError, TimeoutError) as exc:
             logger.warning("Redis write failed: %s", exc)
             for write in batch:
                 self._failed(write, f"Redis did not take the write: {exc}")
             return
+        appended = results[-1] if appends else []
+        if isinstance(appended, Exception):
+            appended = [appended] * len(appends)
         offset = 0
+        taken = iter(appended)
         for write in batch:
             answers = results[offset : offset + len(write.commands)]
             offset += len(write.commands)
             error = next((a for a in answers if isinstance(a, Exception)), None)
+            if write.stream_id:
+                answer = next(taken)
+                if isinstance(answer, Exception) or answer == 0:
+                    error = answer or "the log already ends (its producer's lease was lost)"
             if error is not None:
                 self._failed(write, f"Redis refused the write: {error}")
                 continue
@@ -308,6 +351,23 @@ class RedisEventLog:
             if write.stream_id and write.stream_id in self.mirror:
                 self.num_appends += 1
                 self.mirror.extend(write.stream_id, write.events)
+
+    async def _send_batch(
+        self, batch: list[_Write], keys: list[str], args: list[bytes | int]
+    ) -> list[object]:
+        """One pipeline: the batch's commands, then its appends as one ``EVALSHA`` (the
+        script is loaded once, not checked per round trip as redis-py's scripts are)."""
+        if keys and self._append_sha is None:
+            self._append_sha = await self._client.script_load(_APPEND)
+        pipe = self._client.pipeline(transaction=False)
+        for write in batch:
+            for command in write.commands:
+                pipe.execute_command(*command)
+        if keys:
+            pipe.execute_command("EVALSHA", self._append_sha, len(keys), *keys, *args)
+        self.num_round_trips += 1
+        results: list[object] = await pipe.execute(raise_on_error=False)
+        return results
 
     def _failed(self, write: _Write, message: str) -> None:
         if write.stream_id:
@@ -460,5 +520,8 @@ def _field(fields: object, name: bytes) -> bytes:
 
 
 async def _quietly(awaitable: Awaitable[object]) -> None:
-    with contextlib.suppress(RedisError, OSError):
+    """An unsubscribe: if it fails, the subscription's connection is gone with it."""
+    try:
         await awaitable
+    except (RedisError, OSError, AttributeError) as exc:  # redis-py: a connection closed
+        logger.debug("unsubscribe failed: %s", exc)
