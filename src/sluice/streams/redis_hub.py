@@ -60,6 +60,7 @@ from sluice.streams.redis_codec import (
     text_fields,
 )
 from sluice.streams.redis_log import WRITE_TIMEOUT_S, RedisEventLog
+from sluice.streams.redis_scripts import ADMIT, REAP
 from sluice.streams.state import StreamState
 
 __all__ = ["DEFAULT_LEASE_S", "ClusterSettings", "RedisStreamHub"]
@@ -68,45 +69,6 @@ __all__ = ["DEFAULT_LEASE_S", "ClusterSettings", "RedisStreamHub"]
 DEFAULT_LEASE_S = 5.0
 
 logger = logging.getLogger("sluice.streams.redis")
-
-# Count, then register: the server's and the tenant's live streams, one atomic step.
-_ADMIT = """
-if redis.call('SCARD', KEYS[2]) >= tonumber(ARGV[3]) then return 'tenant' end
-if redis.call('SCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 'server' end
-redis.call('SADD', KEYS[1], ARGV[1])
-redis.call('SADD', KEYS[2], ARGV[1])
-redis.call('HSET', KEYS[3], unpack(ARGV, 6))
-redis.call('EXPIRE', KEYS[3], ARGV[5])
-redis.call('ZADD', KEYS[4], ARGV[4], ARGV[1])
-return 'ok'
-"""
-
-# An expired producer lease: end the stream with one retryable error, unless its log
-# already ends (its last entry carries ``t``) or another replica got here first.
-_REAP = """
-local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if not score or tonumber(score) > tonumber(ARGV[2]) then return 0 end
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('SREM', KEYS[4], ARGV[1])
-local tenant = redis.call('HGET', KEYS[3], 'tenant')
-if tenant then redis.call('SREM', 'sluice:tenant:' .. tenant .. ':live', ARGV[1]) end
-local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
-local seq = 0
-if #last > 0 then
-  local fields = last[1][2]
-  for i = 1, #fields, 2 do
-    if fields[i] == 't' then return 0 end
-  end
-  seq = tonumber(string.match(last[1][1], '-(%d+)$'))
-end
-seq = seq + 1
-redis.call('XADD', KEYS[2], '0-' .. seq, 'e', ARGV[3], 't', '1')
-redis.call('PUBLISH', 'sluice:{' .. ARGV[1] .. '}:events', seq .. ' [' .. ARGV[3] .. ']')
-redis.call('HSET', KEYS[3], 'state', 'failed', 'finish_reason', 'error')
-redis.call('EXPIRE', KEYS[3], ARGV[4])
-redis.call('EXPIRE', KEYS[2], ARGV[4])
-return 1
-"""
 
 _LEASE_LOST = Error(
     "unavailable", "the server running this stream stopped; retry the request", True
@@ -157,8 +119,8 @@ class RedisStreamHub(StreamHub):
         self._remote: dict[str, Stream] = {}  # streams other replicas run, served here
         self._owners: dict[str, str] = {}  # their owners
         self._presence: dict[str, set[str]] = {}  # own streams: replicas reading them
-        self._admit = self._client.register_script(_ADMIT)
-        self._reap = self._client.register_script(_REAP)
+        self._admit = self._client.register_script(ADMIT)
+        self._reap = self._client.register_script(REAP)
         self.num_reaped = 0
         self.on_follow: Callable[[str, RenderMeta | None], None] | None = None
         """Called before a stream another replica runs is mirrored here, with its render

@@ -8,7 +8,7 @@ frame cache as its observer) of the streams it writes or serves, and reads that.
   them, else one round trip per append): :meth:`append` assigns the seqs, queues its
   events for an ``XADD`` each (entry id ``0-<seq>``, ``MAXLEN ~`` the record bound) and a
   ``PUBLISH`` of the whole append, and waits for the writer. Every append of a round trip
-  goes in ONE Lua call (``_APPEND``), so redis-py packs one command per step. The writer sends everything queued since
+  goes in ONE Lua call (``APPEND``), so redis-py packs one command per step. The writer sends everything queued since
   its last round trip as one pipeline, so an engine step that appends a token to 1,000
   streams costs one round trip, not 1,000; it applies each append to the mirror (and
   wakes the local readers) once Redis has it, so no replica ever shows an event another
@@ -51,6 +51,7 @@ from sluice.streams.redis_codec import (
     events_channel,
     log_key,
 )
+from sluice.streams.redis_scripts import APPEND
 
 __all__ = ["RedisEventLog", "RedisUnavailableError"]
 
@@ -68,46 +69,6 @@ _RANGE_COUNT = 1_000
 RECONNECT_DELAY_S = 0.25
 
 
-# The appends of one round trip, for every stream in it: KEYS are the streams' logs; ARGV
-# is the record bound, then per stream its first seq, its number of events, whether the
-# last one is terminal, the events, and the message to publish. An entry id at or below
-# the log's last (a lease already ended the stream) fails that stream's append: 0.
-_APPEND = """
-local maxlen = ARGV[1]
-local a = 2
-local out = {}
-for i = 1, #KEYS do
-  local first = tonumber(ARGV[a])
-  local n = tonumber(ARGV[a + 1])
-  local terminal = ARGV[a + 2]
-  a = a + 3
-  local ok = 1
-  for j = 0, n - 1 do
-    local res
-    if terminal == '1' and j == n - 1 then
-      res = redis.pcall('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '0-' .. (first + j),
-                        'e', ARGV[a + j], 't', '1')
-    else
-      res = redis.pcall('XADD', KEYS[i], 'MAXLEN', '~', maxlen, '0-' .. (first + j),
-                        'e', ARGV[a + j])
-    end
-    if type(res) == 'table' and res.err then
-      ok = 0
-      break
-    end
-  end
-  a = a + n
-  if ok == 1 then
-    local channel = (string.gsub(KEYS[i], ':log$', ':events'))
-    redis.call('PUBLISH', channel, ARGV[a])
-  end
-  a = a + 1
-  out[i] = ok
-end
-return out
-"""
-
-
 class RedisUnavailableError(BackendError):
     """Redis did not take a write (down, restarting, or too slow to answer)."""
 
@@ -120,7 +81,7 @@ class _Write:
     commands: list[tuple[object, ...]]
     future: asyncio.Future[None] | None
     # The append this write carries, applied to the mirror once Redis has it, and its
-    # arguments of the round trip's one _APPEND call.
+    # arguments of the round trip's one APPEND call.
     stream_id: str = ""
     events: Sequence[NeutralEvent] = ()
     append_args: Sequence[bytes | int] = ()
@@ -202,7 +163,7 @@ class RedisEventLog:
         self._next_seq[stream_id] = next_seq + len(events)
         encoded = [encode_event(event) for event in events]
         terminal = b"1" if events and is_terminal(events[-1]) else b"0"
-        # The append's part of the step's one APPEND call (see _APPEND):
+        # The append's part of the step's one APPEND call (see APPEND):
         # first seq, count, terminal flag, the events, the published message.
         args: list[bytes | int] = [next_seq, len(encoded), terminal, *encoded]
         args.append(encode_append(next_seq, encoded))
@@ -310,7 +271,7 @@ class RedisEventLog:
 
     async def _flush(self, batch: list[_Write]) -> None:
         """One round trip: the batch's commands in order, then all its appends in one
-        ``_APPEND`` call (a command each would cost redis-py more CPU than the token)."""
+        ``APPEND`` call (a command each would cost redis-py more CPU than the token)."""
         appends = [write for write in batch if write.stream_id]
         keys = [log_key(write.stream_id) for write in appends]
         args: list[bytes | int] = [self._limits.max_records]
@@ -327,19 +288,20 @@ class RedisEventLog:
             for write in batch:
                 self._failed(write, f"Redis did not take the write: {exc}")
             return
-        appended = results[-1] if appends else []
-        if isinstance(appended, Exception):
-            appended = [appended] * len(appends)
+        last = results[-1] if appends else None
+        appended: list[object] = list(last) if isinstance(last, list) else [last] * len(appends)
         offset = 0
         taken = iter(appended)
         for write in batch:
             answers = results[offset : offset + len(write.commands)]
             offset += len(write.commands)
-            error = next((a for a in answers if isinstance(a, Exception)), None)
+            error: object = next((a for a in answers if isinstance(a, Exception)), None)
             if write.stream_id:
                 answer = next(taken)
-                if isinstance(answer, Exception) or answer == 0:
-                    error = answer or "the log already ends (its producer's lease was lost)"
+                if isinstance(answer, Exception):
+                    error = answer
+                elif answer != 1:
+                    error = "the log already ends (its producer's lease was lost)"
             if error is not None:
                 self._failed(write, f"Redis refused the write: {error}")
                 continue
@@ -358,7 +320,7 @@ class RedisEventLog:
         """One pipeline: the batch's commands, then its appends as one ``EVALSHA`` (the
         script is loaded once, not checked per round trip as redis-py's scripts are)."""
         if keys and self._append_sha is None:
-            self._append_sha = await self._client.script_load(_APPEND)
+            self._append_sha = await self._client.script_load(APPEND)
         pipe = self._client.pipeline(transaction=False)
         for write in batch:
             for command in write.commands:
