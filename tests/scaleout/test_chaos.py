@@ -234,8 +234,13 @@ def test_2_killing_the_producer_ends_every_reader_with_one_retryable_error(
 def test_5_sigterm_under_50_live_streams_moves_their_clients_and_completes_each(
     tmp_path: Path, redis_url: str
 ) -> None:
-    with balanced(tmp_path, redis_url) as (gateways, nginx):
-        texts = [words(300, tag=f"s{n}.") for n in range(50)]  # 12 s each
+    # Its 50 streams are created before their readers start (seconds on a loaded
+    # machine): a grace window that outlasts that, and a drain that outlasts the streams.
+    with balanced(tmp_path, redis_url, "--grace", "120", "--drain-timeout", "90") as (
+        gateways,
+        nginx,
+    ):
+        texts = [words(500, tag=f"s{n}.") for n in range(50)]  # 20 s each
         ids = [create(gateways[n % 3], text, interval_ms=40) for n, text in enumerate(texts)]
         results: dict[int, list[Event]] = {}
 
@@ -370,4 +375,18 @@ def test_6_a_thousand_streams_whose_readers_move_between_gateways_are_all_exact(
                 for n, events in enumerate(results):
                     assert_exact(events, texts[n])
 
-        asyncio.run(run())
+        # In a thread of its own: the module's Playwright (sync API) keeps an event loop
+        # running in this one.
+        failure: list[BaseException] = []
+
+        def main() -> None:
+            try:
+                asyncio.run(run())
+            except BaseException as exc:  # handed to the test below
+                failure.append(exc)
+
+        thread = threading.Thread(target=main)
+        thread.start()
+        thread.join()
+        if failure:
+            raise failure[0]

@@ -14,6 +14,7 @@ import httpx
 import orjson
 import pytest
 
+from sluice.sse import Decoder
 from tests.redis_server import RedisServer
 from tests.scaleout.replicas import kill, kv_blocks_used, read_sse, replicas, text_of, wait_until
 from tests.server import ServerProcess, wait_for_state
@@ -211,3 +212,47 @@ def test_with_redis_gone_new_streams_are_refused_at_once_and_live_ones_end(
         assert not reader.is_alive(), "a live stream hung with Redis gone"
         assert live["events"][-1] == "error"
         assert live["events"].count("error") == 1
+
+
+def test_a_compatible_stream_resumes_on_another_replica_in_its_dialect(redis_url: str) -> None:
+    """OpenAI chat completions with ``X-Sluice-Resumable``: resuming on the other replica
+    from any frame gives exactly the frames after it, as chat.completion.chunk frames."""
+    with replicas(redis_url, 2) as (a, b):
+        body = {
+            "model": "words",
+            "messages": [{"role": "user", "content": "one two  three four"}],
+            "stream": True,
+        }
+        response = httpx.post(
+            f"{a.base_url}/v1/chat/completions",
+            json=body,
+            headers={"X-Sluice-Resumable": "true"},
+        )
+        assert response.status_code == 200
+        stream_id = response.headers["x-sluice-stream-id"]
+        frames = Decoder().feed(response.content)
+        assert len(frames) >= 6
+        events_path = f"/v1/streams/{stream_id}/events"
+        for i, frame in enumerate(frames):
+            rest = read_sse(b, events_path, frame.id).events
+            assert frames[: i + 1] + rest == frames, f"resumed on b after frame {i}"
+
+
+def test_long_poll_on_another_replica_reads_the_whole_stream(redis_url: str) -> None:
+    with replicas(redis_url, 2) as (a, b):
+        text = words(40)
+        stream_id = create(a, text)["id"]
+        after = f"{stream_id}:0"
+        received: list[dict[str, object]] = []
+        for _ in range(200):
+            polled = httpx.get(f"{b.base_url}/v1/streams/{stream_id}/poll", params={"after": after})
+            if polled.status_code == 204:
+                break
+            assert polled.status_code == 200, polled.text
+            batch = polled.json()
+            received.extend(batch["events"])
+            after = str(batch["next"])
+            if batch.get("done"):
+                break
+        tokens = [e["data"]["text"] for e in received if e["event"] == "token"]
+        assert "".join(tokens) == text
