@@ -23,6 +23,11 @@ apt_install() {
 if ((want_test)) && [[ ! -x /usr/bin/chromium ]]; then
     apt_install chromium
 fi
+# Redis for the scale-out tests (started by the tests on a free port, never as a service)
+# and nginx as their load balancer.
+if ((want_test)) && ! { command -v redis-server && command -v nginx; } >/dev/null; then
+    apt_install redis-server redis-tools nginx
+fi
 if ((want_test)) && ! command -v npm >/dev/null; then
     apt_install nodejs npm
 fi

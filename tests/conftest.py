@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from tests.redis_server import RedisServer
 from tests.server import ServerProcess
 
 # In-process engines run on one torch thread, as `sluice serve` does on this 2-core VM
@@ -26,3 +27,11 @@ def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
         options.append("--no-native-sse")
     with ServerProcess(*options) as proc:
         yield proc.wait_ready()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One real ``redis-server`` on a free loopback port for the session (each test that
+    shares it uses streams of fresh ids, or a database of its own)."""
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server

@@ -101,8 +101,12 @@ def open_get(
     sock.settimeout(_READ_TIMEOUT_S)
     if receive_buffer_bytes is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer_bytes)
-    sock.connect(("127.0.0.1", port))
-    return _request(sock, port, target, headers, b"")
+    try:
+        sock.connect(("127.0.0.1", port))
+        return _request(sock, port, target, headers, b"")
+    except BaseException:
+        sock.close()  # refused, or closed before the head (a killed server behind a proxy)
+        raise
 
 
 def open_post(port: int, target: str, body: bytes) -> RawResponse:

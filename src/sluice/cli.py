@@ -58,6 +58,8 @@ from sluice.gateway.settings import (
 )
 from sluice.observability.logs import LOG_FORMATS, configure_logging
 from sluice.streams.log import LogLimits
+from sluice.streams.redis_hub import DEFAULT_LEASE_S, ClusterSettings
+from sluice.streams.shared import REDIS_URL_ENV, SharedStreams, shared_token_secret
 from sluice.transports.delivery import DeliveryOptions
 from sluice.transports.durable import DurableOptions
 from sluice.transports.http1.opener import Http1Limits
@@ -472,6 +474,22 @@ def build_parser() -> argparse.ArgumentParser:
         "die with it",
     )
     serve.add_argument(
+        "--redis",
+        default=os.environ.get(REDIS_URL_ENV) or None,
+        metavar="URL",
+        help="keep streams in this Redis (redis://HOST:PORT/DB), shared by every replica "
+        "that names it: any replica serves any read, resume, status or cancel "
+        f"(default: ${REDIS_URL_ENV}; unset: in this process's memory)",
+    )
+    serve.add_argument(
+        "--producer-lease",
+        type=float,
+        default=DEFAULT_LEASE_S,
+        metavar="SECONDS",
+        help="with --redis: a replica that stops renewing the lease of the streams it "
+        "produces for this long is presumed dead; each gets one retryable error event",
+    )
+    serve.add_argument(
         "--token-ttl",
         type=float,
         default=DEFAULT_TOKEN_TTL_S,
@@ -597,11 +615,17 @@ def _settings(args: argparse.Namespace) -> Settings:
         http = Http1Limits(head_timeout_s=args.head_timeout, body_timeout_s=args.body_timeout)
         log = LogLimits(max_records=args.max_log_events)
         durable = DurableOptions(long_poll_s=args.ds_long_poll)
+        shared = None
+        if args.redis:
+            lease_s = args.producer_lease
+            cluster = ClusterSettings(lease_s=lease_s, heartbeat_s=lease_s / 5)
+            shared = SharedStreams(args.redis, cluster)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     return Settings(
         delivery=delivery,
         log=log,
+        shared=shared,
         requests=RequestLimits(max_prompt_chars=args.max_prompt_chars),
         http=http,
         durable=durable,
@@ -854,6 +878,8 @@ def _auth(args: argparse.Namespace) -> tuple[Auth, str | None]:
     secret_text = args.token_secret or os.environ.get("SLUICE_TOKEN_SECRET")
     if secret_text:
         tokens = ResumeTokens(secret_text.encode("utf-8"), args.token_ttl)
+    elif args.redis:  # one secret for every replica, so a token verifies on any of them
+        tokens = ResumeTokens(shared_token_secret(args.redis), args.token_ttl)
     else:
         tokens = ResumeTokens.random(args.token_ttl)
     allow_anonymous = args.allow_anonymous

@@ -20,11 +20,15 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from sluice.backends.base import Backend
+from sluice.events import RenderMeta
 from sluice.observability.metrics import Metrics
 from sluice.streams.hub import HubSettings, StreamHub
-from sluice.streams.log import LogLimits
+from sluice.streams.log import EventLog, LogLimits
 from sluice.streams.memory import MemoryEventLog
-from sluice.transports.frames import FrameCache
+from sluice.streams.redis_hub import RedisStreamHub
+from sluice.streams.redis_log import RedisEventLog
+from sluice.streams.shared import SharedStreams, open_redis
+from sluice.transports.frames import FrameCache, encoder_for
 
 __all__ = ["Resource", "Runtime"]
 
@@ -48,18 +52,27 @@ class Runtime:
         log_limits: LogLimits,
         hub_settings: HubSettings,
         resources: Sequence[Resource] = (),
+        shared: SharedStreams | None = None,
     ) -> None:
         self.backends = dict(backends)
         self._resources = tuple(resources)
         # Each stream's frames, encoded once per event beside its log (and counted in it).
         self.frames = FrameCache()
-        self.log = MemoryEventLog(log_limits, observer=self.frames)
+        self.log: EventLog
         versions = {name: str(getattr(b, "version", "")) for name, b in self.backends.items()}
         self.metrics = Metrics(versions)
         for name, backend in self.backends.items():
             if isinstance(backend, _AbortObserved):
                 backend.set_abort_observer(functools.partial(self.metrics.abort_freed, name))
-        self.hub = StreamHub(self.log, self.backends, hub_settings, observer=self.metrics)
+        self.hub: StreamHub
+        if shared is None:
+            self.log = MemoryEventLog(log_limits, observer=self.frames)
+            self.hub = StreamHub(self.log, self.backends, hub_settings, observer=self.metrics)
+        else:  # the streams live in Redis, shared by every replica (sluice.streams.redis_hub)
+            log = RedisEventLog(open_redis(shared.url), log_limits, observer=self.frames)
+            hub = RedisStreamHub(log, self.backends, hub_settings, self.metrics, shared.cluster)
+            hub.on_follow = self._render_followed
+            self.log, self.hub = log, hub
         self.metrics.log_bytes.set_function(lambda: self.hub.memory.num_bytes)
         self.shutdown = asyncio.Event()
         """Set when the process begins to stop (:meth:`drain`)."""
@@ -74,6 +87,13 @@ class Runtime:
                 yield self
             for backend in set(self.backends.values()):
                 await backend.aclose()
+            if isinstance(self.log, RedisEventLog):
+                await self.log.client.aclose()
+
+    def _render_followed(self, stream_id: str, meta: RenderMeta | None) -> None:
+        """A stream another replica runs is mirrored here: cache its frames in its dialect."""
+        if meta is not None:
+            self.frames.encode_as(stream_id, encoder_for(meta, stream_id))
 
     async def drain(self, timeout_s: float) -> None:
         """Set :attr:`shutdown`, then drain the hub: new streams are refused, live ones get

@@ -110,3 +110,10 @@ def test_worker_quick_run_streams_the_same_greedy_text_in_process_and_through_a_
     assert table_row(output, "| 8 | greedy texts equal |")[3] == "yes"
     cpu = table_row(output, "| 8 | server CPU per token (ms) |")
     assert "nan" not in cpu[2:4], cpu
+
+
+def test_scaleout_quick_compares_the_redis_log_with_the_memory_log() -> None:
+    output = run_quick("scaleout")
+    rounds = table_row(output, "| round trips per step")
+    assert float(rounds[2]) <= 1.5  # the step's appends share a round trip
+    assert table_row(output, "| resume on another replica")[4] in ("PASS", "MISS")

@@ -246,5 +246,6 @@ def create_app(
         # Per-tenant limits default to the server's when there is one tenant (no keys).
         hub_settings=settings.hub_settings(multi_tenant=auth.num_keys > 0),
         resources=resources,
+        shared=settings.shared,
     )
     return SluiceApp(settings, runtime, auth, rollouts)

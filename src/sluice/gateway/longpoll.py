@@ -65,6 +65,7 @@ class LongPolls:
         if not is_stream_id(stream_id):
             raise BadEventIdError(f"malformed stream id {stream_id[:80]!r}")
         wanted = parse_poll_query(query, stream_id)
+        await self._hub.attach(stream_id)  # a stream another replica runs
         stream = self._auth.find(self._hub.get, stream_id, caller)
         if wanted.after_seq:
             self._metrics.resumes.inc()

@@ -82,14 +82,22 @@ class NativeApi:
         headers = {"Location": base, **versioned}
         return JSONResponse(payload, status_code=201, headers=headers)
 
+    async def _attach(self, request: Request) -> None:
+        """Make the stream the request names known here, if another replica runs it."""
+        stream_id = request.path_params["stream_id"]
+        if is_stream_id(stream_id):
+            await self._hub.attach(stream_id)
+
     async def get_stream(self, request: Request) -> Response:
         try:
+            await self._attach(request)
             return JSONResponse(self._stream(request).describe())
         except SluiceError as exc:
             return response_for(exc)
 
     async def cancel_stream(self, request: Request) -> Response:
         try:
+            await self._attach(request)
             stream = self._hub.cancel(self._stream(request).id)
         except SluiceError as exc:
             return response_for(exc)
@@ -97,6 +105,7 @@ class NativeApi:
 
     async def drop_connections(self, request: Request) -> Response:
         try:
+            await self._attach(request)
             stream = self._stream(request)
             dropped = self._hub.drop_connections(stream.id)
         except SluiceError as exc:

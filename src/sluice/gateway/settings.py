@@ -10,6 +10,7 @@ from sluice.gateway.cors import parse_origin
 from sluice.gateway.hosts import parse_allowed_host
 from sluice.streams.hub import HubSettings
 from sluice.streams.log import LogLimits
+from sluice.streams.shared import SharedStreams
 from sluice.transports.delivery import DeliveryOptions
 from sluice.transports.durable import DurableOptions
 from sluice.transports.http1.opener import Http1Limits
@@ -49,6 +50,8 @@ class Settings:
     delivery: DeliveryOptions = field(default_factory=DeliveryOptions)
     # One stream's log (records and bytes).
     log: LogLimits = field(default_factory=LogLimits)
+    # Streams kept in a Redis shared by several replicas (``--redis``); None: in memory.
+    shared: SharedStreams | None = None
     # Request bodies: prompt characters, max_tokens, interval_ms, the default model.
     requests: RequestLimits = field(default_factory=RequestLimits)
     # Request heads: all header lines (name, value, ": " and CRLF) answer 431 above

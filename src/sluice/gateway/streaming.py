@@ -125,6 +125,8 @@ class EventStreams:
             scope["headers"], presented_token(scope["headers"], tokens[-1] if tokens else None)
         )
         position = last_event_id(scope, query)
+        if position is not None and is_stream_id(position[0]):
+            await self._hub.attach(position[0])  # a stream another replica runs
         if path == _DEMO_PATH:
             # EventSource reconnects to the URL it first opened, so a request that carries
             # a Last-Event-ID resumes that stream instead of starting another.
@@ -135,6 +137,7 @@ class EventStreams:
         if not is_stream_id(stream_id):
             raise BadEventIdError(f"malformed stream id {stream_id[:80]!r}")
         if position is None:
+            await self._hub.attach(stream_id)
             return self._open(self._stream(stream_id, caller), 0, 0)
         return self._resume(position, stream_id, caller)
 

@@ -150,6 +150,8 @@ class WebSockets:
                 await self._create(session, message, scope)
                 return
             stream_id = message.stream_id[:80]
+            if is_stream_id(message.stream_id):
+                await self._hub.attach(message.stream_id)  # a stream another replica runs
             if isinstance(message, Cancel):
                 self._hub.cancel(self._stream(message.stream_id, caller).id)
                 return

@@ -208,6 +208,8 @@ class StreamsService:
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> None:
         try:
+            if is_stream_id(request.stream_id):
+                await self._hub.attach(request.stream_id)  # a stream another replica runs
             reader = self._open(request, _headers(context))
         except SluiceError as exc:
             refused = _refused(exc)
@@ -219,6 +221,8 @@ class StreamsService:
         self, request: pb.CancelRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.CancelReply:
         try:
+            if is_stream_id(request.stream_id):
+                await self._hub.attach(request.stream_id)
             stream = self._find(request.stream_id, self._caller(_headers(context)))
             stream = self._hub.cancel(stream.id)
         except SluiceError as exc:

@@ -354,9 +354,11 @@ class StreamHub:
         resumable: bool = True,
         grace_s: float | None = None,
         tenant: str = "anonymous",
+        stream_id: str | None = None,
     ) -> Stream:
         """Start a stream for ``tenant``; its producer runs until the end, a cancel, or a
-        failure."""
+        failure. ``stream_id`` is a fresh id the caller made (a shared registry names the
+        stream before it exists); by default the hub makes one."""
         if self._task_group is None:
             raise RuntimeError("StreamHub.create() outside StreamHub.running()")
         if self._draining:
@@ -400,7 +402,7 @@ class StreamHub:
         if request.max_tokens is not None and request.max_tokens > settings.max_tokens_per_stream:
             request = dataclasses.replace(request, max_tokens=settings.max_tokens_per_stream)
         stream = Stream(
-            id=new_stream_id(),
+            id=stream_id or new_stream_id(),
             model=model,
             resumable=resumable,
             grace_s=grace_s,
@@ -433,6 +435,11 @@ class StreamHub:
             if batch.events:
                 return batch.events[0]
             await wait_for_record(self._log, stream_id, 0)
+
+    async def attach(self, stream_id: str) -> None:
+        """Make a stream that another replica runs known here, if there is one, before a
+        request looks it up with :meth:`get` (nothing to do for a hub of one process; see
+        :class:`~sluice.streams.redis_hub.RedisStreamHub`)."""
 
     def get(self, stream_id: str) -> Stream:
         stream = self._streams.get(stream_id)

@@ -53,12 +53,25 @@ class MemoryEventLog:
         return log
 
     async def create(self, stream_id: str) -> None:
+        self.open(stream_id)
+
+    def open(self, stream_id: str, first_seq: int = 1) -> None:
+        """Create an empty log whose first record will be ``first_seq`` (a mirror of a log
+        kept elsewhere starts where that one's retained records start)."""
         if stream_id in self._logs:
             raise ValueError(f"log for {stream_id!r} already exists")
-        self._logs[stream_id] = _Log()
+        log = self._logs[stream_id] = _Log()
+        log.first_seq = first_seq
         self._total_bytes += LOG_BYTES
 
+    def __contains__(self, stream_id: object) -> bool:
+        return stream_id in self._logs
+
     async def append(self, stream_id: str, events: Sequence[NeutralEvent]) -> int:
+        return self.extend(stream_id, events)
+
+    def extend(self, stream_id: str, events: Sequence[NeutralEvent]) -> int:
+        """:meth:`append`, synchronously (for a mirror fed by callbacks)."""
         log = self._logs.get(stream_id)
         if log is None:
             raise StreamNotFoundError(stream_id)
@@ -131,6 +144,10 @@ class MemoryEventLog:
             raise ResumeGapError(stream_id, after_seq, log.first_seq)
         return Batch(after_seq + 1, log.events[start : start + max_records])
 
+    def first_seq(self, stream_id: str) -> int:
+        """The seq of the oldest retained record (of the next one, when none is)."""
+        return self._get(stream_id).first_seq
+
     def last_seq(self, stream_id: str) -> int:
         log = self._get(stream_id)
         return log.first_seq + len(log.events) - 1
@@ -149,9 +166,10 @@ class MemoryEventLog:
             log.waiters.remove(waiter)
 
     async def delete(self, stream_id: str) -> None:
-        self._drop(stream_id)
+        self.drop(stream_id)
 
-    def _drop(self, stream_id: str) -> None:
+    def drop(self, stream_id: str) -> None:
+        """:meth:`delete`, synchronously; nothing for an unknown stream."""
         log = self._logs.pop(stream_id, None)
         if log is None:
             return
@@ -162,7 +180,7 @@ class MemoryEventLog:
 
     async def aclose(self) -> None:
         for stream_id in list(self._logs):
-            self._drop(stream_id)
+            self.drop(stream_id)
 
     @staticmethod
     def _wake(log: _Log) -> None:

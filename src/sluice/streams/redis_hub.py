@@ -1,0 +1,485 @@
+"""The stream hub of one replica among several sharing a Redis: registry, cancel bus, leases.
+
+A :class:`RedisStreamHub` is a :class:`~sluice.streams.hub.StreamHub` whose log is a
+:class:`~sluice.streams.redis_log.RedisEventLog`. The replica that creates a stream runs its
+producer, as one process would; what the others need is in Redis (key names in
+:mod:`sluice.streams.redis_codec`):
+
+- **Registry**: creating a stream writes its record (model, tenant, resumability, grace,
+  render meta, owner replica) to ``sluice:{id}:meta`` in the same Lua call that counts it
+  against the server's and the tenant's live streams (``sluice:live``,
+  ``sluice:tenant:<t>:live``), so those limits hold across replicas. Any replica then
+  serves any read, resume, status or cancel: :meth:`attach` (called by the gateway before
+  it looks a stream up) loads the record and follows the log.
+- **Cancel bus**: each replica listens on its own control channel; a cancel, or a reader
+  joining or leaving, on another replica is published to the owner's.
+- **Reader presence**: the owner counts replicas that hold readers of its streams
+  (``joined``/``left`` messages, ``joined`` repeated every heartbeat); a replica's presence
+  is leased by its heartbeat key (``sluice:replica:<id>``), so a reader's replica that dies
+  stops keeping a stream alive within a lease. The last-reader and grace rules count those replicas as readers.
+- **Producer lease**: the owner refreshes ``sluice:leases`` (stream id -> expiry) every
+  heartbeat. Every replica sweeps expired leases with one Lua call each, which appends
+  **one** retryable ``Error("unavailable")`` to a log not already ended (the terminal
+  entry carries the ``t`` field) and closes the record. Entry ids are the seqs, so a
+  producer that comes back after losing its lease cannot append past that event.
+- **Redis unavailable**: a creation is refused at once (``CapacityError``: 503 with
+  ``Retry-After``); a live stream's producer ends it with a retryable error for its local
+  readers (the log raises), and the lease gives Redis's copy its terminal event once Redis
+  is back; readers of followed streams are dropped so their clients resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
+
+from sluice.backends.base import Backend, GenerationRequest
+from sluice.errors import CapacityError, TenantLimitError
+from sluice.events import Error, Finished, FinishReason, NeutralEvent, RenderMeta
+from sluice.streams.hub import HubSettings, Stream, StreamHub, StreamObserver
+from sluice.streams.ids import new_stream_id
+from sluice.streams.reader import Reader
+from sluice.streams.redis_codec import (
+    LEASES_KEY,
+    LIVE_KEY,
+    decode_render,
+    encode_event,
+    encode_render,
+    log_key,
+    meta_key,
+    replica_control_channel,
+    replica_key,
+    tenant_live_key,
+    text_fields,
+)
+from sluice.streams.redis_log import WRITE_TIMEOUT_S, RedisEventLog
+from sluice.streams.redis_scripts import ADMIT, REAP
+from sluice.streams.state import StreamState
+
+__all__ = ["DEFAULT_LEASE_S", "ClusterSettings", "RedisStreamHub"]
+
+# The issue's bound: a dead producer's streams end within 5 s.
+DEFAULT_LEASE_S = 5.0
+
+logger = logging.getLogger("sluice.streams.redis")
+
+_LEASE_LOST = Error(
+    "unavailable", "the server running this stream stopped; retry the request", True
+)
+# Streams one sweep ends at most (the rest wait for the next heartbeat).
+_MAX_REAPED_PER_SWEEP = 256
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSettings:
+    """How replicas share streams through Redis."""
+
+    # A producer whose replica stops refreshing its lease for this long is presumed dead:
+    # its streams get their retryable terminal event within it (plus one heartbeat).
+    lease_s: float = DEFAULT_LEASE_S
+    # Leases and this replica's presence are refreshed, and expired leases swept, this
+    # often: a fifth of the lease, so a lease survives a few missed heartbeats.
+    heartbeat_s: float = 1.0
+    # A stream another replica runs stays followed this long after its last reader here
+    # left (a client that reconnects here soon finds its mirror warm).
+    linger_s: float = 10.0
+    # The name of this replica in Redis; by default a fresh random one per process.
+    replica_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_s < self.lease_s:
+            raise ValueError("heartbeat_s must be positive and under lease_s")
+        if self.linger_s < 0:
+            raise ValueError("linger_s must not be negative")
+
+
+class RedisStreamHub(StreamHub):
+    """A hub whose streams every replica on the same Redis can serve (see the module doc)."""
+
+    def __init__(
+        self,
+        log: RedisEventLog,
+        backends: Mapping[str, Backend],
+        settings: HubSettings | None = None,
+        observer: StreamObserver | None = None,
+        cluster: ClusterSettings | None = None,
+    ) -> None:
+        super().__init__(log, backends, settings, observer)
+        self.cluster = cluster or ClusterSettings()
+        self.replica_id = self.cluster.replica_id or secrets.token_hex(8)
+        self._redis_log = log
+        self._client = log.client
+        self._remote: dict[str, Stream] = {}  # streams other replicas run, served here
+        self._owners: dict[str, str] = {}  # their owners
+        self._presence: dict[str, set[str]] = {}  # own streams: replicas reading them
+        self._admit = self._client.register_script(ADMIT)
+        self._reap = self._client.register_script(REAP)
+        self.num_reaped = 0
+        self.on_follow: Callable[[str, RenderMeta | None], None] | None = None
+        """Called before a stream another replica runs is mirrored here, with its render
+        meta (the frame cache then encodes it in its dialect)."""
+        log.set_control(replica_control_channel(self.replica_id), self._on_control)
+        log.on_lost = self._on_lost
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[StreamHub]:
+        async with self._redis_log.running():
+            async with super().running() as hub, asyncio.TaskGroup() as tasks:
+                heartbeat = tasks.create_task(self._heartbeat_loop())
+                try:
+                    yield hub
+                finally:
+                    heartbeat.cancel()
+            for stream in self._remote.values():
+                if stream.timer is not None:
+                    stream.timer.cancel()
+            self._remote.clear()
+
+    # ------------------------------------------------------------------ creation
+
+    async def create(
+        self,
+        model: str,
+        request: GenerationRequest,
+        *,
+        resumable: bool = True,
+        grace_s: float | None = None,
+        tenant: str = "anonymous",
+        stream_id: str | None = None,
+    ) -> Stream:
+        stream_id = stream_id or new_stream_id()
+        settings = self.settings
+        grace = settings.default_grace_s if grace_s is None else grace_s
+        if self.running_now and not self.draining and model in self.backends:
+            await self._register(stream_id, model, resumable, grace, tenant)
+        try:
+            stream = await super().create(
+                model,
+                request,
+                resumable=resumable,
+                grace_s=grace_s,
+                tenant=tenant,
+                stream_id=stream_id,
+            )
+        except BaseException:
+            self._redis_log.send(*self._closing(stream_id, tenant, 0))
+            raise
+        return stream
+
+    async def _register(
+        self, stream_id: str, model: str, resumable: bool, grace_s: float, tenant: str
+    ) -> None:
+        settings = self.settings
+        lease_ms = int((time.time() + self.cluster.lease_s) * 1000)
+        ttl_s = int(settings.max_stream_s + settings.retention_s) + 1
+        fields: list[str | int | float] = [
+            "model", model, "tenant", tenant, "resumable", int(resumable), "grace_s", grace_s,
+            "created", time.time(), "owner", self.replica_id, "state", "queued",
+        ]  # fmt: skip
+        keys = [LIVE_KEY, tenant_live_key(tenant), meta_key(stream_id), LEASES_KEY]
+        args: list[str | int | float] = [
+            stream_id,
+            settings.max_streams,
+            settings.max_streams_per_tenant,
+            lease_ms,
+            ttl_s,
+        ]
+        try:
+            async with asyncio.timeout(WRITE_TIMEOUT_S):
+                answer = await self._admit(keys=keys, args=[*args, *fields])
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise CapacityError(
+                "the shared stream registry (Redis) is unavailable",
+                retry_after_s=settings.retry_after_s,
+                reason="registry_unavailable",
+            ) from exc
+        if answer == b"tenant":
+            raise TenantLimitError(
+                f"tenant {tenant!r} holds {settings.max_streams_per_tenant} live streams "
+                "across the servers, its maximum",
+                tenant=tenant,
+                retry_after_s=settings.retry_after_s,
+            )
+        if answer == b"server":
+            raise CapacityError(
+                "too many streams on these servers", retry_after_s=settings.retry_after_s
+            )
+
+    async def _append(self, stream: Stream, event: NeutralEvent) -> None:
+        if not stream.num_events and stream.render is not None:
+            # The gateway sets a dialect's render meta after creation, before the producer
+            # runs: it goes to the registry just before the first event.
+            render = encode_render(stream.render)
+            self._redis_log.send(("HSET", meta_key(stream.id), "render", render))
+        await super()._append(stream, event)
+
+    def _closing(self, stream_id: str, tenant: str, ttl_s: int) -> list[tuple[object, ...]]:
+        """The commands that take a stream out of the live counts and the leases."""
+        commands: list[tuple[object, ...]] = [
+            ("ZREM", LEASES_KEY, stream_id),
+            ("SREM", LIVE_KEY, stream_id),
+            ("SREM", tenant_live_key(tenant), stream_id),
+        ]
+        if ttl_s <= 0:
+            commands.append(("DEL", meta_key(stream_id)))
+        return commands
+
+    async def _finish(self, stream: Stream, final: list[NeutralEvent], target: StreamState) -> None:
+        await super()._finish(stream, final, target)
+        self._presence.pop(stream.id, None)
+        if not self._redis_log.writes_here(stream.id) or self._redis_log.is_local_only(stream.id):
+            return  # Redis lost the stream: its lease gives it a terminal event
+        ttl_s = max(1, int(self.settings.retention_s))
+        self._redis_log.send(
+            ("HSET", meta_key(stream.id), "state", stream.state.value,
+             "finish_reason", stream.finish_reason or "", "events", stream.num_events,
+             "tokens", stream.num_tokens),
+            ("EXPIRE", meta_key(stream.id), ttl_s),
+            ("EXPIRE", log_key(stream.id), ttl_s),
+            *self._closing(stream.id, stream.tenant, ttl_s),
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ other replicas' streams
+
+    async def attach(self, stream_id: str) -> None:
+        if stream_id in self._streams:
+            return
+        try:
+            async with asyncio.timeout(WRITE_TIMEOUT_S):
+                answer = await self._client.hgetall(meta_key(stream_id))
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise CapacityError(
+                "the shared stream registry (Redis) is unavailable",
+                retry_after_s=self.settings.retry_after_s,
+                reason="registry_unavailable",
+            ) from exc
+        fields = {k: v for k, v in answer.items() if isinstance(k, bytes) and isinstance(v, bytes)}
+        if not fields:
+            return
+        record = text_fields(fields)
+        owner = record.get("owner", "")
+        if owner == self.replica_id:
+            return  # this replica's own stream, forgotten here: gone
+        stream = self._remote.get(stream_id)
+        if stream is None:
+            render = decode_render(fields.get(b"render", b""))
+            if self.on_follow is not None and not self._redis_log.follows(stream_id):
+                self.on_follow(stream_id, render)
+            await self._redis_log.follow(stream_id)
+            if stream_id in self._remote:  # attached meanwhile by another request
+                stream = self._remote[stream_id]
+            else:
+                stream = Stream(
+                    id=stream_id,
+                    model=record.get("model", ""),
+                    resumable=record.get("resumable") == "1",
+                    grace_s=float(record.get("grace_s", "0")),
+                    created=float(record.get("created", "0")),
+                    tenant=record.get("tenant", "anonymous"),
+                    render=render,
+                )
+                self._remote[stream_id] = stream
+                self._owners[stream_id] = owner
+                self._arm_release(stream)
+        self._refresh(stream, record)
+
+    def _refresh(self, stream: Stream, record: Mapping[str, str]) -> None:
+        """Bring a followed stream's state and counts up to what its log and record say."""
+        log = self._redis_log.mirror
+        if stream.id not in log:
+            return
+        last = log.last_seq(stream.id)
+        stream.num_events = last
+        if record.get("tokens"):
+            stream.num_tokens = int(record["tokens"])
+        state = StreamState(record.get("state", "queued"))
+        if last >= log.first_seq(stream.id) and last > 0:
+            event = log.read(stream.id, last - 1, 1).events[0]
+            if isinstance(event, Finished):
+                stream.finish_reason = event.reason.value
+                cancelled = event.reason is FinishReason.CANCELLED
+                state = StreamState.CANCELLED if cancelled else StreamState.FINISHED
+            elif isinstance(event, Error):
+                stream.finish_reason, state = "error", StreamState.FAILED
+            elif state is StreamState.QUEUED:
+                state = StreamState.RUNNING
+        stream.state = state
+
+    def get(self, stream_id: str) -> Stream:
+        stream = self._remote.get(stream_id)
+        if stream is not None:
+            self._refresh(stream, {"state": stream.state.value})
+            return stream
+        return super().get(stream_id)
+
+    def cancel(self, stream_id: str) -> Stream:
+        stream = self._remote.get(stream_id)
+        if stream is None:
+            return super().cancel(stream_id)
+        if not stream.is_terminal and not stream.cancel_requested:
+            stream.cancel_requested = True
+            self._publish(stream_id, f"cancel {stream_id}")
+        return stream
+
+    def open_reader(self, stream_id: str, after_seq: int) -> Reader:
+        reader = super().open_reader(stream_id, after_seq)
+        stream = self._remote.get(stream_id)
+        if stream is not None and len(stream.readers) == 1:
+            self._publish(stream_id, f"joined {stream_id} {self.replica_id}")
+        return reader
+
+    def _reader_left(self, reader: Reader) -> None:
+        stream_id = reader.stream_id
+        remote = self._remote.get(stream_id)
+        if remote is not None:
+            remote.readers.remove(reader)
+            if not remote.readers:
+                self._publish(stream_id, f"left {stream_id} {self.replica_id}")
+                self._arm_release(remote)
+            return
+        stream = self._streams.get(stream_id)
+        if stream is not None and self._presence.get(stream_id):
+            stream.readers.remove(reader)  # readers elsewhere keep it alive
+            return
+        super()._reader_left(reader)
+
+    def _grace_over(self, stream_id: str) -> None:
+        if self._presence.get(stream_id):
+            stream = self._streams.get(stream_id)
+            if stream is not None:
+                stream.timer = None
+            return
+        super()._grace_over(stream_id)
+
+    def _publish(self, stream_id: str, message: str) -> None:
+        owner = self._owners.get(stream_id)
+        if owner is not None:
+            self._redis_log.send(("PUBLISH", replica_control_channel(owner), message))
+
+    def _arm_release(self, stream: Stream) -> None:
+        if stream.timer is not None:
+            stream.timer.cancel()
+        loop = asyncio.get_running_loop()
+        stream.timer = loop.call_later(self.cluster.linger_s, self._release, stream.id)
+
+    def _release(self, stream_id: str) -> None:
+        """Stop following a stream nobody here reads."""
+        stream = self._remote.get(stream_id)
+        if stream is None:
+            return
+        stream.timer = None
+        if stream.readers:
+            return
+        del self._remote[stream_id]
+        self._owners.pop(stream_id, None)
+        self._redis_log.unfollow(stream_id)
+
+    def _on_lost(self, stream_id: str) -> None:
+        """Redis went away under a followed stream: its clients resume (once it is back)."""
+        stream = self._remote.get(stream_id)
+        if stream is None:
+            return
+        for reader in list(stream.readers):
+            reader.interrupt()
+        if not stream.readers:
+            self._release(stream_id)
+
+    # ------------------------------------------------------------------ the owner's side
+
+    def _on_control(self, data: bytes) -> None:
+        """A message on this replica's control channel: ``cancel <id>``, ``joined <id>
+        <replica>`` or ``left <id> <replica>``."""
+        verb, _, rest = data.decode(errors="replace").partition(" ")
+        stream_id, _, replica = rest.partition(" ")
+        stream = self._streams.get(stream_id)
+        if stream is None or stream.is_terminal:
+            return
+        if verb == "cancel":
+            self.cancel(stream_id)
+        elif verb == "joined":
+            self._presence.setdefault(stream_id, set()).add(replica)
+            if stream.timer is not None:
+                stream.timer.cancel()  # a reader is here (elsewhere): no grace window
+                stream.timer = None
+        elif verb == "left":
+            readers = self._presence.get(stream_id)
+            if readers is not None:
+                readers.discard(replica)
+            self._no_remote_readers(stream)
+
+    def _no_remote_readers(self, stream: Stream) -> None:
+        """The last replica reading ``stream`` elsewhere left: the local rules decide."""
+        if self._presence.get(stream.id) or stream.readers or stream.is_terminal:
+            return
+        self._presence.pop(stream.id, None)
+        if stream.resumable and stream.grace_s > 0:
+            self._arm_grace(stream)
+        else:
+            stream.cancel_cause = "client_gone"
+            self.cancel(stream.id)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                await self._heartbeat()
+            except (RedisError, OSError, TimeoutError) as exc:
+                logger.warning("Redis heartbeat failed: %s", exc)
+            await asyncio.sleep(self.cluster.heartbeat_s)
+
+    async def _heartbeat(self) -> None:
+        """Refresh this replica's presence and its streams' leases; forget replicas that
+        stopped refreshing theirs; end the streams of producers that did."""
+        now_ms = int(time.time() * 1000)
+        lease_ms = int(self.cluster.lease_s * 1000)
+        writes_here = self._redis_log.writes_here
+        local_only = self._redis_log.is_local_only
+        live = [
+            stream.id
+            for stream in self.live_streams()
+            if writes_here(stream.id) and not local_only(stream.id)
+        ]
+        readers = sorted({replica for group in self._presence.values() for replica in group})
+        async with asyncio.timeout(WRITE_TIMEOUT_S):
+            pipe = self._client.pipeline(transaction=False)
+            pipe.set(replica_key(self.replica_id), 1, px=lease_ms)
+            if live:
+                pipe.zadd(LEASES_KEY, dict.fromkeys(live, now_ms + lease_ms), xx=True)
+            for replica in readers:
+                pipe.exists(replica_key(replica))
+            # Readers here of streams run elsewhere: told again every heartbeat, so an owner
+            # that took this replica for gone (a missed heartbeat) counts them again.
+            for stream_id, stream in self._remote.items():
+                owner = self._owners.get(stream_id)
+                if stream.readers and owner is not None and not stream.is_terminal:
+                    message = f"joined {stream_id} {self.replica_id}"
+                    pipe.publish(replica_control_channel(owner), message)
+            pipe.zrangebyscore(LEASES_KEY, "-inf", now_ms, start=0, num=_MAX_REAPED_PER_SWEEP)
+            answers = await pipe.execute()
+            first = 1 + bool(live)
+            alive = dict(zip(readers, answers[first : first + len(readers)], strict=True))
+            for replica, exists in alive.items():
+                if not exists:
+                    self._replica_gone(replica)
+            payload = encode_event(_LEASE_LOST)
+            ttl_s = max(1, int(self.settings.retention_s))
+            for raw in answers[-1]:
+                stream_id = raw.decode()
+                keys = [LEASES_KEY, log_key(stream_id), meta_key(stream_id), LIVE_KEY]
+                if await self._reap(keys=keys, args=[stream_id, now_ms, payload, ttl_s]):
+                    self.num_reaped += 1
+                    logger.info("stream %s: its producer's lease expired; ended it", stream_id)
+
+    def _replica_gone(self, replica: str) -> None:
+        for stream_id, group in list(self._presence.items()):
+            if replica in group:
+                group.discard(replica)
+                stream = self._streams.get(stream_id)
+                if stream is not None:
+                    self._no_remote_readers(stream)
