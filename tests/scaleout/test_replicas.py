@@ -256,3 +256,44 @@ def test_long_poll_on_another_replica_reads_the_whole_stream(redis_url: str) -> 
                 break
         tokens = [e["data"]["text"] for e in received if e["event"] == "token"]
         assert "".join(tokens) == text
+
+
+def test_a_durable_streams_read_on_another_replica_follows_the_whole_generation(
+    redis_url: str,
+) -> None:
+    """``/v1/ds/streams/{id}`` on the replica that does not run the stream: long-polls from
+    the start until ``Stream-Closed``, every event once and in order."""
+    with replicas(redis_url, 2) as (a, b):
+        text = words(40)
+        stream_id = create(a, text)["id"]
+        url = f"{b.base_url}/v1/ds/streams/{stream_id}"
+        offset, messages = "-1", []
+        for _ in range(200):
+            answer = httpx.get(url, params={"offset": offset, "live": "long-poll"}, timeout=30)
+            assert answer.status_code in (200, 204), answer.text
+            if answer.status_code == 200:
+                messages.extend(answer.json())
+            offset = answer.headers["stream-next-offset"]
+            if answer.headers.get("stream-closed") == "true":
+                break
+        ids = [int(str(m["id"]).rsplit(":", 1)[1]) for m in messages]
+        assert ids == list(range(1, len(ids) + 1))
+        assert "".join(m["data"]["text"] for m in messages if m["event"] == "token") == text
+        assert messages[-1]["event"] == "done"
+
+
+def test_a_client_written_durable_stream_lives_in_the_redis_log_of_its_replica(
+    redis_url: str,
+) -> None:
+    """The write side on a ``--redis`` replica: appends of any bytes go through the Redis
+    log's encoding and read back exactly."""
+    with replicas(redis_url, 1) as (a,):
+        url = f"{a.base_url}/v1/ds/notes"
+        octets = {"content-type": "application/octet-stream"}
+        assert httpx.put(url, headers=octets).status_code == 201
+        chunks = [bytes(range(256)), b"\x00\xff tail"]
+        for chunk in chunks:
+            assert httpx.post(url, content=chunk, headers=octets).status_code in (200, 204)
+        whole = httpx.get(url, params={"offset": "-1"})
+        assert whole.status_code == 200
+        assert whole.content == b"".join(chunks)

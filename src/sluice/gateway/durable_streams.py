@@ -131,7 +131,9 @@ class DurableStreamsApi:
             scope["headers"], presented_token(scope["headers"], token[-1] if token else None)
         )
         if path.startswith(_LLM_PREFIX) and is_stream_id(path[len(_LLM_PREFIX) :]):
-            stream = self._auth.find(self._hub.get, path[len(_LLM_PREFIX) :], caller)
+            stream_id = path[len(_LLM_PREFIX) :]
+            await self._hub.attach(stream_id)  # a stream another replica runs
+            stream = self._auth.find(self._hub.get, stream_id, caller)
             if method not in ("GET", "HEAD"):
                 allow = (("Allow", "GET, HEAD"),)
                 raise DurableStreamError(

@@ -15,13 +15,15 @@ ms), ``sluice:live`` and ``sluice:tenant:<tenant>:live`` (sets of live stream id
 counts the limits read), ``sluice:replica:<id>`` (a replica's liveness, with a TTL) and
 ``sluice:replica:<id>:control`` (its cancel bus channel).
 
-An event is a compact JSON array, its first item a one-letter tag; a published append is
+An event is a compact JSON array, its first item a one-letter tag (a durable stream's
+``Payload`` bytes in base64); a published append is
 the seq of its first event, a space, then a JSON array of such arrays. No wire format of a
 client is stored: each replica renders events itself.
 """
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Mapping, Sequence
 
 import orjson
@@ -31,6 +33,7 @@ from sluice.events import (
     Finished,
     FinishReason,
     NeutralEvent,
+    Payload,
     RenderMeta,
     Started,
     TextDelta,
@@ -109,6 +112,8 @@ def _event_item(event: NeutralEvent) -> list[object]:
             return ["f", reason.value, stop_sequence]
         case Error(error_type, message, retryable):
             return ["e", error_type, message, retryable]
+        case Payload(data, num_messages):  # a durable stream's append: any bytes
+            return ["p", base64.b64encode(data).decode("ascii"), num_messages]
     raise TypeError(f"not a neutral event: {event!r}")  # pragma: no cover
 
 
@@ -133,6 +138,8 @@ def _item_event(item: Sequence[object]) -> NeutralEvent:
         return Finished(FinishReason(str(item[1])), None if stop is None else str(stop))
     if tag == "e":
         return Error(str(item[1]), str(item[2]), bool(item[3]))
+    if tag == "p":
+        return Payload(base64.b64decode(str(item[1])), int(str(item[2])))
     raise ValueError(f"unknown event tag {tag!r}")
 
 
