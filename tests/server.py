@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-__all__ = ["TEST_MODEL", "ServerProcess", "wait_for_state"]
+__all__ = ["TEST_MODEL", "ServerProcess", "terminate", "wait_for_state"]
 
 # The model of the fast tests (the repository's own).
 TEST_MODEL = Path(__file__).resolve().parents[1] / "models" / "sluice-tiny"
@@ -33,6 +33,19 @@ def _names_a_model(options: tuple[str, ...]) -> bool:
     return bool(flags & {"--model", "--no-model"}) or any(
         flag.startswith("--upstream") for flag in flags
     )
+
+
+def terminate(process: subprocess.Popen[bytes], *, timeout_s: float) -> int:
+    """SIGTERM, then SIGKILL if ``process`` is still there after ``timeout_s``; its exit
+    code."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+    return process.returncode
 
 
 class ServerProcess:
@@ -90,16 +103,7 @@ class ServerProcess:
     def stop(self) -> int | None:
         """Stop the server (SIGTERM, then SIGKILL after 10 s); return its exit code."""
         process, self.process = self.process, None
-        if process is None:
-            return None
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=5)
-        return process.returncode
+        return None if process is None else terminate(process, timeout_s=10)
 
     def rss_bytes(self) -> int:
         """The server's resident memory now (from /proc)."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,9 +16,10 @@ from collections.abc import Sequence
 
 import grpc
 
+from sluice.vllm_grpc.client import EngineClient
 from sluice.vllm_grpc.proto import common_pb2, method_path
 from sluice.vllm_grpc.proto import vllm_engine_pb2 as pb
-from tests.server import TEST_MODEL
+from tests.server import TEST_MODEL, terminate
 
 __all__ = ["EngineCalls", "WorkerProcess", "token_ids", "worker_idle"]
 
@@ -72,16 +72,10 @@ class WorkerProcess:
         process, self.process = self.process, None
         if process is None:
             return None
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=5)
+        code = terminate(process, timeout_s=15)
         if process.stdout is not None:
             process.stdout.close()
-        return process.returncode
+        return code
 
     def __enter__(self) -> WorkerProcess:
         return self.start()
@@ -90,30 +84,11 @@ class WorkerProcess:
         self.stop()
 
 
-class EngineCalls:
-    """The protocol's methods on a ``grpc.aio`` channel."""
+class EngineCalls(EngineClient):
+    """The gateway's calls of the protocol, and those only the tests make."""
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
-        self.generate = channel.unary_stream(
-            method_path("Generate"),
-            request_serializer=pb.GenerateRequest.SerializeToString,
-            response_deserializer=pb.GenerateResponse.FromString,
-        )
-        self.abort = channel.unary_unary(
-            method_path("Abort"),
-            request_serializer=pb.AbortRequest.SerializeToString,
-            response_deserializer=pb.AbortResponse.FromString,
-        )
-        self.get_loads = channel.unary_unary(
-            method_path("GetLoads"),
-            request_serializer=pb.GetLoadsRequest.SerializeToString,
-            response_deserializer=pb.GetLoadsResponse.FromString,
-        )
-        self.get_model_info = channel.unary_unary(
-            method_path("GetModelInfo"),
-            request_serializer=pb.GetModelInfoRequest.SerializeToString,
-            response_deserializer=pb.GetModelInfoResponse.FromString,
-        )
+        super().__init__(channel)
         self.health_check = channel.unary_unary(
             method_path("HealthCheck"),
             request_serializer=pb.HealthCheckRequest.SerializeToString,

@@ -21,12 +21,10 @@ from collections.abc import AsyncIterator
 from typing import Final
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from sluice.errors import ConfigError
 from sluice.gateway.auth import Auth
 from sluice.gateway.settings import Settings
+from sluice.grpc_api import hosting
 from sluice.grpc_api.service import SERVICE, StreamsService
 from sluice.runtime import Runtime
 
@@ -51,20 +49,7 @@ async def serving(
         )
     )
     server.add_generic_rpc_handlers((StreamsService(runtime, settings, auth).handler(),))
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    try:
-        bound = server.add_insecure_port(address)
-    except RuntimeError as exc:
-        raise ConfigError(f"cannot serve gRPC on {address}: {exc}") from exc
-    if not bound:
-        raise ConfigError(f"cannot serve gRPC on {address}")
-    await server.start()
-    for name in ("", SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    bound, health_servicer = await hosting.start(server, SERVICE, host, port)
     try:
         yield bound
     finally:

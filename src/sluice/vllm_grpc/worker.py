@@ -29,8 +29,6 @@ from typing import Final
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from sluice import __version__
 from sluice.engine.default_model import (
@@ -44,6 +42,7 @@ from sluice.engine.loader import Checkpoint, load_checkpoint
 from sluice.engine.models.llama import LlamaConfig
 from sluice.engine.sampling_params import SamplingParams
 from sluice.errors import ConfigError
+from sluice.grpc_api import hosting
 from sluice.vllm_grpc.proto import SERVICE
 from sluice.vllm_grpc.servicer import EngineServicer, ServedModel
 from sluice.vllm_grpc.tokenizer_bundle import ModelFiles, write_bundle
@@ -156,21 +155,7 @@ async def _serve(
             )
         )
         server.add_generic_rpc_handlers((EngineServicer(driver, model).handler(),))
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        reflection.enable_server_reflection(
-            (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        try:
-            bound = server.add_insecure_port(address)
-        except RuntimeError as exc:
-            raise ConfigError(f"cannot serve gRPC on {address}: {exc}") from exc
-        if not bound:
-            raise ConfigError(f"cannot serve gRPC on {address}")
-        await server.start()
-        for name in ("", SERVICE):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        bound, health_servicer = await hosting.start(server, SERVICE, host, port)
         shown = f"[{host}]" if ":" in host else host
         print(f"Sluice worker {__version__}: serving {model.name} on {shown}:{bound}", flush=True)
         await stop.wait()
