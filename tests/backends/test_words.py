@@ -55,6 +55,14 @@ def test_paced_generation_yields_one_word_per_delta_and_stop_on_the_last() -> No
     assert usage == Usage(prompt_tokens=3, completion_tokens=3)
 
 
+def test_a_backend_interval_paces_requests_that_set_none() -> None:
+    async def run(backend: WordsBackend) -> list[int]:
+        return [len(d.events) async for d in backend.generate(GenerationRequest("a b c"))]
+
+    assert asyncio.run(run(WordsBackend())) == [3]  # unpaced: one burst
+    assert asyncio.run(run(WordsBackend(interval_ms=1))) == [1, 1, 1]  # paced: a word a delta
+
+
 def test_unpaced_generation_bursts_words_one_event_each() -> None:
     async def run() -> list[list[TextDelta | ToolCallDelta]]:
         generation = WordsBackend().generate(GenerationRequest("w " * 150))
@@ -210,6 +218,7 @@ def test_fault_latency_delays_the_first_token_by_at_least_that_much() -> None:
     [
         ({"fault_error_rate": 1.5}, "fault_error_rate"),
         ({"fault_latency_ms": -1}, "fault_latency_ms"),
+        ({"interval_ms": -1}, "interval_ms"),
     ],
 )
 def test_bad_fault_options_are_refused(options: dict[str, float], message: str) -> None:

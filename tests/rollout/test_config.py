@@ -103,6 +103,7 @@ def test_analysis_options_are_read() -> None:
             r"'fault_error_rate' must be in \[0, 1\]",
         ),
         (("fault_latency_ms = 0", "fault_latency_ms = -1"), "'fault_latency_ms' must be in"),
+        (("fault_latency_ms = 0", "interval_ms = 20000"), r"'interval_ms' must be in \[0, 10000\]"),
     ],
 )
 def test_mistakes_name_the_alias_version_and_key(edit: tuple[str, str], message: str) -> None:
@@ -116,7 +117,8 @@ def test_mistakes_name_the_alias_version_and_key(edit: tuple[str, str], message:
 def test_fault_options_are_for_words_only() -> None:
     text = EXAMPLE.replace('name = "v2"\nmodel = "words"', 'name = "v2"\nmodel = "sluice-tiny"')
     with pytest.raises(
-        ConfigError, match="'fault_error_rate' and 'fault_latency_ms' are for 'words'"
+        ConfigError,
+        match="'fault_error_rate', 'fault_latency_ms' and 'interval_ms' are for 'words'",
     ):
         parse(text)
 

@@ -1,6 +1,6 @@
 """Chaos: three ``sluice serve --redis`` gateways behind nginx (round-robin, no stickiness,
-default buffering), clients that resume as EventSource does, and processes killed under
-them. Every text must come out exact: 0 events lost, 0 doubled, exactly one terminal.
+default buffering), clients that resume as EventSource does (and the openai SDK over
+sluice.client's resuming transport), and processes killed under them. Every text must come out exact: 0 events lost, 0 doubled, exactly one terminal.
 
 The scenarios, in the issue's order of priority: a killed gateway that served a client;
 a cancel on another gateway; a killed producer; a SIGTERM under 50 live streams; a Redis
@@ -18,10 +18,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import httpx2
+import openai
 import orjson
 import pytest
 from playwright.sync_api import Browser
 
+from sluice.client import ResumeSettings, ResumingTransport
 from sluice.sse import Decoder, Event
 from tests.redis_server import RedisServer
 from tests.scaleout.nginx import Nginx
@@ -128,15 +131,90 @@ def kill_mid_stream(victim: ServerProcess, producer: ServerProcess, stream_id: s
     assert described["state"] == "running"  # it was killed mid-stream
 
 
+# A public model that is the words backend paced like a slow model, so that a compatible
+# request (which has no interval_ms) streams for seconds.
+_PACED = """
+[[alias]]
+name = "paced"
+rollout = "manual"
+[[alias.version]]
+name = "v1"
+model = "words"
+weight = 100
+stable = true
+interval_ms = 25
+"""
+
+
+class _StreamIdOf(httpx2.HTTPTransport):
+    """Under the SDK's resuming transport: tells the stream id of the first answer, and
+    counts the reads that resumed it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stream_id: str | None = None
+        self.known = threading.Event()
+        self.num_resumes = 0
+
+    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+        self.num_resumes += request.method == "GET"
+        response = super().handle_request(request)
+        if not self.known.is_set():
+            self.stream_id = response.headers.get("x-sluice-stream-id")
+            self.known.set()
+        return response
+
+
+def read_with_the_openai_sdk(base_url: str, text: str, inner: _StreamIdOf) -> str:
+    """The ``openai`` SDK, unchanged but for its ``http_client``: a resumable chat stream
+    through nginx, carried across dropped connections by sluice.client."""
+    transport = ResumingTransport(inner, ResumeSettings(initial_delay_s=0.1))
+    with openai.OpenAI(
+        base_url=f"{base_url}/v1",
+        api_key="unused",
+        max_retries=0,
+        http_client=httpx2.Client(transport=transport),
+    ) as client:
+        stream = client.chat.completions.create(
+            model="paced",
+            messages=[{"role": "user", "content": text}],
+            stream=True,
+            extra_headers={"X-Sluice-Resumable": "true"},
+        )
+        chunks = list(stream)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    contents = [c.choices[0].delta.content for c in chunks if c.choices]
+    assert len([c for c in contents if c]) == len(text.split())  # one chunk a word, no double
+    return "".join(c or "" for c in contents)
+
+
 @pytest.mark.browser
 def test_1_killing_the_gateway_serving_a_client_mid_stream_loses_and_doubles_nothing(
     tmp_path: Path, redis_url: str, browser: Browser
 ) -> None:
-    """Two clients, each of its own stream run by one gateway and read through nginx on
-    another: Chromium's EventSource and a plain client that resumes with Last-Event-ID.
-    The gateways serving them are killed; both come back through nginx elsewhere."""
-    with balanced(tmp_path, redis_url) as (gateways, nginx):
-        producer, others = gateways[0], gateways[1:]
+    """Three clients, each of its own stream run by one gateway and read through nginx on
+    another: Chromium's EventSource, a plain client that resumes with Last-Event-ID, and
+    the openai SDK on a resumable chat stream. The gateways serving them are killed; all
+    three come back through nginx elsewhere."""
+    models = tmp_path / "models.toml"
+    models.write_text(_PACED)
+    with balanced(tmp_path, redis_url, "--models-config", str(models)) as (gateways, nginx):
+        sdk_text = words(300, tag="o")  # 7.5 s
+        sdk: dict[str, str] = {}
+        stream_id_of = _StreamIdOf()
+        sdk_client = threading.Thread(
+            target=lambda: sdk.setdefault(
+                "text", read_with_the_openai_sdk(nginx.base_url, sdk_text, stream_id_of)
+            )
+        )
+        sdk_client.start()
+        assert stream_id_of.known.wait(timeout=30)
+        sdk_stream = stream_id_of.stream_id
+        assert sdk_stream is not None
+        # The gateway nginx gave the SDK's request runs its stream; it runs the others too.
+        wait_until(lambda: any(readers_on(g, sdk_stream) for g in gateways), "the SDK reads")
+        producer = next(g for g in gateways if readers_on(g, sdk_stream))
+        others = [g for g in gateways if g is not producer]
         page_text, raw_text = words(300), words(300, tag="x")
         page_stream = create(producer, page_text, interval_ms=25)  # 7.5 s
         raw_stream = create(producer, raw_text, interval_ms=25)
@@ -145,6 +223,7 @@ def test_1_killing_the_gateway_serving_a_client_mid_stream_loses_and_doubles_not
         page.goto(f"{nginx.base_url}/")
         page.evaluate(_OPEN, f"/v1/streams/{page_stream}/events")
         page_gateway = reader_off_producer(producer, others, page_stream)
+        sdk_gateway = reader_off_producer(producer, others, sdk_stream)
         moves: list[int] = []
         raw: dict[str, list[Event]] = {}
         target = f"/v1/streams/{raw_stream}/events"
@@ -156,7 +235,8 @@ def test_1_killing_the_gateway_serving_a_client_mid_stream_loses_and_doubles_not
         client.start()
         raw_gateway = reader_off_producer(producer, others, raw_stream)
         moves.append(1)  # cleared by the client's next reconnection
-        for victim in {page_gateway.port: page_gateway, raw_gateway.port: raw_gateway}.values():
+        victims = {g.port: g for g in (page_gateway, raw_gateway, sdk_gateway)}
+        for victim in victims.values():
             kill_mid_stream(victim, producer, page_stream)
         page.wait_for_function("window.seen.done.length > 0")
         seen = page.evaluate("window.seen")
@@ -169,6 +249,10 @@ def test_1_killing_the_gateway_serving_a_client_mid_stream_loses_and_doubles_not
         assert not client.is_alive()
         assert not moves  # it reconnected after the kill
         assert_exact(raw["events"], raw_text)
+        sdk_client.join(timeout=60)
+        assert not sdk_client.is_alive()
+        assert sdk["text"] == sdk_text
+        assert stream_id_of.num_resumes >= 2  # moved off the producer, then off the victim
 
 
 def test_3_cancel_on_one_gateway_stops_the_generation_on_another_and_frees_kv(

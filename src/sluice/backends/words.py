@@ -17,7 +17,9 @@ be ``words`` with faults, see :mod:`sluice.rollout.config`): ``fault_error_rate`
 share of the backend's streams with a :class:`~sluice.errors.BackendError` before their
 first token, spread evenly and deterministically (stream ``n``, counted from 1, fails when
 ``floor(n * rate)`` grows, so 0.3 fails streams 4, 7, 10, ...: exactly 3 in every 10);
-``fault_latency_ms`` delays every stream's first token by that much.
+``fault_latency_ms`` delays every stream's first token by that much. ``interval_ms`` paces
+the words of a request that sets no pace of its own (a compatible API's, which has no
+``interval_ms`` field), as a slow model would.
 """
 
 from __future__ import annotations
@@ -197,15 +199,23 @@ class WordsBackend:
     """Serves the model ``words``, optionally with injected faults (see the module doc)."""
 
     def __init__(
-        self, model: str = "words", *, fault_error_rate: float = 0.0, fault_latency_ms: float = 0.0
+        self,
+        model: str = "words",
+        *,
+        fault_error_rate: float = 0.0,
+        fault_latency_ms: float = 0.0,
+        interval_ms: float = 0.0,
     ) -> None:
         if not 0 <= fault_error_rate <= 1:
             raise ConfigError(f"fault_error_rate must be in [0, 1], got {fault_error_rate}")
         if not 0 <= fault_latency_ms < math.inf:
             raise ConfigError(f"fault_latency_ms must be finite and >= 0, got {fault_latency_ms}")
+        if not 0 <= interval_ms < math.inf:
+            raise ConfigError(f"interval_ms must be finite and >= 0, got {interval_ms}")
         self._model = model
         self._fault_error_rate = fault_error_rate
         self._delay_s = fault_latency_ms / 1000
+        self._interval_s = interval_ms / 1000
         self._num_streams = 0
 
     @property
@@ -216,6 +226,8 @@ class WordsBackend:
         self._num_streams += 1
         n, rate = self._num_streams, self._fault_error_rate
         fail = math.floor(n * rate) > math.floor((n - 1) * rate)
+        if request.interval_s == 0 and self._interval_s > 0:
+            request = dataclasses.replace(request, interval_s=self._interval_s)
         return WordsGeneration(request, fail=fail, delay_s=self._delay_s)
 
     async def aclose(self) -> None:

@@ -172,6 +172,7 @@ def alias_backends(
                     alias.name,
                     fault_error_rate=version.fault_error_rate,
                     fault_latency_ms=version.fault_latency_ms,
+                    interval_ms=version.interval_ms,
                 )
             elif version.model in served:
                 versions[version.name] = served[version.model]

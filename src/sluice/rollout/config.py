@@ -22,6 +22,8 @@ A TOML file of ``[[alias]]`` tables, each with ``[[alias.version]]`` tables::
     weight = 5
     fault_error_rate = 0.3      # ``words`` only: fail this share of its streams
     fault_latency_ms = 0        # ``words`` only: extra delay before the first token
+    interval_ms = 0             # ``words`` only: the pace of its words for a request that
+                                # sets none (the compatible APIs cannot)
 
 An alias has one ``stable`` version and at most one other (the canary); weights are
 percentages that add up to 100. An ``auto`` alias needs both. Every value is checked when
@@ -46,6 +48,7 @@ from sluice.errors import ConfigError
 __all__ = [
     "DEFAULT_STEPS",
     "MAX_FAULT_LATENCY_MS",
+    "MAX_INTERVAL_MS",
     "MAX_VERSIONS",
     "AliasConfig",
     "AnalysisSettings",
@@ -61,6 +64,8 @@ MAX_VERSIONS: Final = 2
 DEFAULT_STEPS: Final = (5.0, 25.0, 50.0, 100.0)
 # A fault delay past a minute is a hang, not a latency regression to demonstrate.
 MAX_FAULT_LATENCY_MS: Final = 60_000.0
+# A words version's pace: slow enough for any demo, bounded like every other wait.
+MAX_INTERVAL_MS: Final = 10_000.0
 # Weights that add up to 100 within this (floating-point sums of decimals).
 _WEIGHT_TOLERANCE = 1e-6
 _ALIAS_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
@@ -112,6 +117,7 @@ class VersionConfig:
     stable: bool = False
     fault_error_rate: float = 0.0
     fault_latency_ms: float = 0.0
+    interval_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +155,7 @@ _ALIAS_KEYS = frozenset(
     {"name", "rollout", "steps", "step_streams", "false_alarm_rate", "effect", "version"}
 )
 _VERSION_KEYS = frozenset(
-    {"name", "model", "weight", "stable", "fault_error_rate", "fault_latency_ms"}
+    {"name", "model", "weight", "stable", "fault_error_rate", "fault_latency_ms", "interval_ms"}
 )
 
 
@@ -260,8 +266,15 @@ def _version(table: object, where: str) -> VersionConfig:
         raise ConfigError(f"{where}: 'stable' must be true or false")
     error_rate = _number(table, "fault_error_rate", 0.0, where)
     latency_ms = _number(table, "fault_latency_ms", 0.0, where)
-    if (error_rate or latency_ms) and model != _WORDS:
-        raise ConfigError(f"{where}: 'fault_error_rate' and 'fault_latency_ms' are for 'words'")
+    interval_ms = _number(table, "interval_ms", 0.0, where)
+    if (error_rate or latency_ms or interval_ms) and model != _WORDS:
+        raise ConfigError(
+            f"{where}: 'fault_error_rate', 'fault_latency_ms' and 'interval_ms' are for 'words'"
+        )
+    if not 0 <= interval_ms <= MAX_INTERVAL_MS:
+        raise ConfigError(
+            f"{where}: 'interval_ms' must be in [0, {MAX_INTERVAL_MS:g}], got {interval_ms:g}"
+        )
     if not 0 <= error_rate <= 1:
         raise ConfigError(f"{where}: 'fault_error_rate' must be in [0, 1], got {error_rate:g}")
     if not 0 <= latency_ms <= MAX_FAULT_LATENCY_MS:
@@ -269,7 +282,7 @@ def _version(table: object, where: str) -> VersionConfig:
             f"{where}: 'fault_latency_ms' must be in [0, {MAX_FAULT_LATENCY_MS:g}], "
             f"got {latency_ms:g}"
         )
-    return VersionConfig(name, model, weight, stable, error_rate, latency_ms)
+    return VersionConfig(name, model, weight, stable, error_rate, latency_ms, interval_ms)
 
 
 def _is_number(value: object) -> bool:
