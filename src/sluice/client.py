@@ -235,6 +235,14 @@ class ResumeCursor:
         raise ResumeError(f"{self._url.path}: resume refused with {response.status_code}")
 
 
+def _with_body(
+    response: httpx2.Response, body: httpx2.SyncByteStream | httpx2.AsyncByteStream
+) -> httpx2.Response:
+    return httpx2.Response(
+        response.status_code, headers=response.headers, stream=body, extensions=response.extensions
+    )
+
+
 class _ResumingBody(httpx2.SyncByteStream):
     def __init__(
         self, transport: httpx2.BaseTransport, cursor: ResumeCursor, first: httpx2.Response
@@ -296,13 +304,7 @@ class ResumingTransport(httpx2.BaseTransport):
         if not ResumeCursor.applies(request, response):
             return response
         cursor = ResumeCursor(request, response, self._settings)
-        body = _ResumingBody(self._transport, cursor, response)
-        return httpx2.Response(
-            response.status_code,
-            headers=response.headers,
-            stream=body,
-            extensions=response.extensions,
-        )
+        return _with_body(response, _ResumingBody(self._transport, cursor, response))
 
     def close(self) -> None:
         self._transport.close()
@@ -368,13 +370,7 @@ class AsyncResumingTransport(httpx2.AsyncBaseTransport):
         if not ResumeCursor.applies(request, response):
             return response
         cursor = ResumeCursor(request, response, self._settings)
-        body = _AsyncResumingBody(self._transport, cursor, response)
-        return httpx2.Response(
-            response.status_code,
-            headers=response.headers,
-            stream=body,
-            extensions=response.extensions,
-        )
+        return _with_body(response, _AsyncResumingBody(self._transport, cursor, response))
 
     async def aclose(self) -> None:
         await self._transport.aclose()
