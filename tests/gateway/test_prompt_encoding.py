@@ -11,9 +11,10 @@ prompts than the encodes cost.
 
 Why CPU time and not the latency of a ``/healthz`` probe: on a loaded two-core host (the
 test machine runs other suites beside this one) wall-clock latencies swing by hundreds of
-milliseconds, while the CPU time a thread spends on given work barely moves. The bound,
-a quarter of the ten encodes, is four times what the old code needs and several times what
-the new one takes. The encoder releasing the GIL, without which a worker would hold the
+milliseconds, while the CPU time a thread spends on given work barely moves. The bound is
+half of the ten encodes: a loop that encoded five of them on its own thread fails it, while the
+loop's own work on ten 200 KB requests (reading, parsing and rendering them, about 30 ms a
+chat request on a loaded host) stays well under it. The encoder releasing the GIL, without which a worker would hold the
 loop all the same, is checked in ``tests/backends/test_prompt.py``.
 """
 
@@ -80,7 +81,7 @@ def send_prompts(server: ServerProcess, api: str, model: str) -> None:
 
 
 def assert_not_encoded_on_the_loop(server: ServerProcess, checkpoint: Path) -> None:
-    bound_s = NUM_PROMPTS * encode_cpu_s(checkpoint / "tokenizer.json") / 4
+    bound_s = NUM_PROMPTS * encode_cpu_s(checkpoint / "tokenizer.json") / 2
     for api in ("native", "chat"):
         before_s = loop_cpu_s(server)
         send_prompts(server, api, checkpoint.name)
