@@ -76,9 +76,7 @@ def draw(
     else:
         drafts = torch.multinomial(q, NUM_DRAWS, replacement=True, generator=generator)
         draft_probs = q.expand(NUM_DRAWS, VOCAB)
-    accepted, tokens = rejection_sample(
-        p.expand(NUM_DRAWS, VOCAB), draft_probs, drafts, generator
-    )
+    accepted, tokens = rejection_sample(p.expand(NUM_DRAWS, VOCAB), draft_probs, drafts, generator)
     return drafts, accepted, tokens
 
 

@@ -29,7 +29,10 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["accept_greedy", "accept_sampled", "rejection_sample"]
+from sluice.engine.sampler import NonFiniteLogitsError, filter_logits
+from sluice.engine.sampling_params import SamplingParams
+
+__all__ = ["accept", "accept_greedy", "accept_sampled", "rejection_sample"]
 
 
 def accept_greedy(draft_token_ids: Sequence[int], target_token_ids: Sequence[int]) -> list[int]:
@@ -116,3 +119,29 @@ def accept_sampled(
     bonus = torch.multinomial(target_probs[num_draft].float(), 1, generator=generator)
     emitted.append(int(bonus))
     return emitted
+
+
+def accept(
+    logits: torch.Tensor,
+    draft_token_ids: Sequence[int],
+    draft_probs: torch.Tensor | None,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], list[float]]:
+    """One sequence's verify: the target's ``[k + 1, vocab]`` logits after its last token
+    and each draft token; the emitted tokens (1 to ``k + 1``) and each one's logprob under
+    the target's unfiltered distribution. ``params`` filters ``p`` as the sampler would.
+    Raises :class:`~sluice.engine.sampler.NonFiniteLogitsError` for a broken row."""
+    rows = logits.float()
+    if not bool(torch.isfinite(rows.max(dim=-1).values).all()):
+        raise NonFiniteLogitsError()
+    if params.greedy:
+        tokens = accept_greedy(draft_token_ids, rows.argmax(dim=-1).tolist())
+    else:
+        target_probs = torch.stack(
+            [torch.softmax(filter_logits(row, params), dim=-1) for row in rows]
+        ).cpu()
+        tokens = accept_sampled(draft_token_ids, target_probs, draft_probs, generator)
+    log_probs = torch.log_softmax(rows[: len(tokens)], dim=-1)
+    index = torch.tensor(tokens, device=log_probs.device)[:, None]
+    return tokens, log_probs.gather(1, index)[:, 0].tolist()
