@@ -105,7 +105,8 @@ def test_scheduler_gives_lookahead_slots_and_postprocess_keeps_only_accepted_tok
     scheduler.postprocess(batch, {0: (60, 61)})  # one draft accepted, then a correction
     assert seq.token_ids == [1, 2, 3, 50, 60, 61]
     assert seq.num_computed_tokens == 5
-    assert len(seq.block_table) == 2 and seq.num_lookahead_blocks == 0
+    assert len(seq.block_table) == 2
+    assert seq.num_lookahead_blocks == 0
     assert manager.num_free_blocks == 6
 
 
@@ -130,7 +131,8 @@ def test_lookahead_is_cut_to_the_token_budget() -> None:
     batch = scheduler.schedule({0: 6})
     assert batch.items[0].num_lookahead_tokens == 2
     scheduler.postprocess(batch, {0: (1, 2, 3)})  # all accepted, plus the bonus
-    assert seq.num_tokens == 5 and seq.num_computed_tokens == 4
+    assert seq.num_tokens == 5
+    assert seq.num_computed_tokens == 4
     assert len(seq.block_table) == 2  # the bonus token starts block 2
 
 
@@ -141,7 +143,8 @@ def test_a_finishing_speculative_step_frees_every_block() -> None:
     decoding(scheduler, seq)
     batch = scheduler.schedule({0: 7})
     scheduler.postprocess(batch, {0: (4, 5, 6)}, finished_seq_ids={0})
-    assert manager.num_free_blocks == 8 and scheduler.is_finished()
+    assert manager.num_free_blocks == 8
+    assert scheduler.is_finished()
 
 
 def test_abort_with_lookahead_blocks_frees_them_all() -> None:
@@ -152,7 +155,8 @@ def test_abort_with_lookahead_blocks_frees_them_all() -> None:
     batch = scheduler.schedule({0: 6})
     scheduler.abort(0)
     scheduler.postprocess(batch, {})
-    assert manager.num_free_blocks == 8 and manager.num_used_blocks == 0
+    assert manager.num_free_blocks == 8
+    assert manager.num_used_blocks == 0
 
 
 def test_accepted_tokens_fill_and_register_lookahead_blocks_for_prefix_caching() -> None:
@@ -160,7 +164,8 @@ def test_accepted_tokens_fill_and_register_lookahead_blocks_for_prefix_caching()
     seq = Sequence(0, [1, 2, 3], 4)
     manager.allocate(seq)
     manager.add_lookahead(seq, 6)  # positions up to 8: two more blocks
-    assert seq.num_lookahead_blocks == 2 and manager.num_free_blocks == 5
+    assert seq.num_lookahead_blocks == 2
+    assert manager.num_free_blocks == 5
     for token in (4, 5, 6, 7, 8):
         seq.append_token(token)
         manager.append_slot(seq)
@@ -170,4 +175,5 @@ def test_accepted_tokens_fill_and_register_lookahead_blocks_for_prefix_caching()
         == (seq.block_table[1])
     )
     manager.free_lookahead(seq)
-    assert len(seq.block_table) == 2 and manager.num_free_blocks == 6
+    assert len(seq.block_table) == 2
+    assert manager.num_free_blocks == 6

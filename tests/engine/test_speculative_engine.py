@@ -46,7 +46,6 @@ def make_engine(
     *,
     num_blocks: int = 64,
     max_num_batched_tokens: int = 64,
-    token_bytes: object = None,
     eos_token_id: int | None = None,
 ) -> Engine:
     config = EngineConfig(
@@ -61,7 +60,7 @@ def make_engine(
         model,
         config,
         eos_token_id=eos_token_id,
-        token_bytes=token_bytes if callable(token_bytes) else (lambda t: f"{t:03d}|".encode()),
+        token_bytes=lambda t: f"{t:03d}|".encode(),
         speculation=speculation,
         draft_model=draft,
     )
@@ -72,15 +71,20 @@ def fixed_k(method: str, k: int = 4) -> SpeculativeConfig:
 
 
 def speculating_engines(
-    model: GPT2LMHeadModel, other_draft: GPT2LMHeadModel, **kwargs: int
+    model: GPT2LMHeadModel,
+    other_draft: GPT2LMHeadModel,
+    *,
+    num_blocks: int = 64,
+    max_num_batched_tokens: int = 64,
 ) -> dict[str, Engine]:
     """One engine per way of drafting: the target as its own draft (every draft accepted),
     a draft that mostly disagrees (rejections), prompt lookup, and adaptive k."""
+    limits = {"num_blocks": num_blocks, "max_num_batched_tokens": max_num_batched_tokens}
     return {
-        "self-draft": make_engine(model, fixed_k("draft"), model, **kwargs),
-        "other-draft": make_engine(model, fixed_k("draft", 3), other_draft, **kwargs),
-        "ngram": make_engine(model, fixed_k("ngram", 3), **kwargs),
-        "adaptive": make_engine(model, SpeculativeConfig("draft", 4), other_draft, **kwargs),
+        "self-draft": make_engine(model, fixed_k("draft"), model, **limits),
+        "other-draft": make_engine(model, fixed_k("draft", 3), other_draft, **limits),
+        "ngram": make_engine(model, fixed_k("ngram", 3), None, **limits),
+        "adaptive": make_engine(model, SpeculativeConfig("draft", 4), other_draft, **limits),
     }
 
 
@@ -95,13 +99,15 @@ def test_greedy_output_is_the_targets_with_every_way_of_drafting(
         assert [tokens_of(outputs[i]) for i in ids] == expected, name
         assert all(outputs[i][-1].finish_reason == "length" for i in ids), name
         assert [o.num_completion_tokens for o in outputs[ids[0]]][-1] == GREEDY.max_tokens
-        assert engine.spec_stats is not None and engine.spec_stats.num_draft_tokens > 0, name
+        assert engine.spec_stats is not None
+        assert engine.spec_stats.num_draft_tokens > 0, name
         assert_no_leak(engine)
-    stats = make_engine(model, fixed_k("draft"), model)
-    request_id = stats.add_request(prompts[2], GREEDY)
-    outputs = run_to_completion(stats)[request_id]
-    assert len(outputs) < GREEDY.max_tokens // 2  # several tokens a step
-    assert stats.spec_stats is not None and stats.spec_stats.acceptance_rate > 0.9
+    engine = make_engine(model, fixed_k("draft"), model)
+    request_id = engine.add_request(prompts[2], GREEDY)
+    alone = run_to_completion(engine)[request_id]
+    assert len(alone) < GREEDY.max_tokens // 2  # several tokens a step
+    assert engine.spec_stats is not None
+    assert engine.spec_stats.acceptance_rate > 0.9
 
 
 def test_preemption_prefix_hits_and_chunked_prefill_keep_greedy_output(
@@ -159,7 +165,8 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_output_where_it_would_wit
         params = SamplingParams(max_tokens=16, temperature=0, stop=[stop])
         without = ended_at(make_engine(model, None), prompt, params)
         assert ended_at(make_engine(model, fixed_k("draft"), model), prompt, params) == without
-        assert without[2] == "stop" and stop not in without[1]
+        assert without[2] == "stop"
+        assert stop not in without[1]
 
 
 def test_eos_and_max_tokens_inside_an_accepted_run_end_it_there(model: GPT2LMHeadModel) -> None:
@@ -170,7 +177,8 @@ def test_eos_and_max_tokens_inside_an_accepted_run_end_it_there(model: GPT2LMHea
     without = ended_at(make_engine(model, None, eos_token_id=eos), prompt, params)
     spec = make_engine(model, fixed_k("draft"), model, eos_token_id=eos)
     assert ended_at(spec, prompt, params) == without
-    assert without[2] == "stop" and len(without[0]) == reference.index(eos) + 1
+    assert without[2] == "stop"
+    assert len(without[0]) == reference.index(eos) + 1
     short = SamplingParams(max_tokens=3, temperature=0)
     assert ended_at(make_engine(model, fixed_k("draft"), model), prompt, short)[0] == reference[:3]
 
@@ -205,9 +213,11 @@ def test_sampled_speculation_finishes_with_tokens_of_the_vocabulary(
         request_id = engine.add_request([9, 8, 7, 6], params)
         outputs = run_to_completion(engine)[request_id]
         tokens = tokens_of(outputs)
-        assert len(tokens) == 24 and all(0 <= t < 101 for t in tokens)
+        assert len(tokens) == 24
+        assert all(0 <= t < 101 for t in tokens)
         logprobs = [lp for output in outputs for lp in output.logprobs or ()]
-        assert len(logprobs) == 24 and all(lp <= 0 for lp in logprobs)
+        assert len(logprobs) == 24
+        assert all(lp <= 0 for lp in logprobs)
         assert_no_leak(engine)
 
 
@@ -218,7 +228,8 @@ def test_a_request_that_opts_out_never_speculates(model: GPT2LMHeadModel) -> Non
     outputs = run_to_completion(engine)[request_id]
     assert tokens_of(outputs) == naive_greedy(model, [1, 2, 3], 10)
     assert len(outputs) == 10
-    assert engine.spec_stats is not None and engine.spec_stats.num_drafts == 0
+    assert engine.spec_stats is not None
+    assert engine.spec_stats.num_drafts == 0
 
 
 def test_the_engine_refuses_a_draft_that_does_not_fit(model: GPT2LMHeadModel) -> None:

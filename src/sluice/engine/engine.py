@@ -33,22 +33,16 @@ from typing import Literal
 
 import torch
 
-from sluice.engine.acceptance import accept
 from sluice.engine.block_manager import BlockManager, BlockManagerStats
 from sluice.engine.detokenizer import IncrementalDetokenizer
 from sluice.engine.model_runner import ModelRunner, PagedModel
-from sluice.engine.proposer import (
-    Draft,
-    DraftModelProposer,
-    DraftRequest,
-    NgramProposer,
-    Proposer,
-)
+from sluice.engine.proposer import Draft, DraftRequest
 from sluice.engine.sampler import Sampler, SamplingError
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from sluice.engine.sequence import Sequence
-from sluice.engine.speculative import AdaptiveK, SpecDecodeStats, SpeculativeConfig
+from sluice.engine.speculative import SpecDecodeStats, SpeculativeConfig
+from sluice.engine.speculator import Speculator
 
 __all__ = [
     "REQUEST_FAILED_MESSAGE",
@@ -235,24 +229,29 @@ class Engine:
             model, model.make_kv_cache(config.num_blocks, config.block_size)
         )
         self.sampler = Sampler()
-        self.speculation = speculation
-        self._proposer = _proposer(speculation, draft_model, model, config)
-        self._adaptive_k: AdaptiveK | None = None
-        self.spec_stats: SpecDecodeStats | None = None
+        self.speculator: Speculator | None = None
         if speculation is not None:
-            if speculation.adaptive:
-                self._adaptive_k = AdaptiveK(
-                    speculation.num_speculative_tokens, explore_every=speculation.explore_every
-                )
-            self.spec_stats = SpecDecodeStats(
-                speculation.method, speculation.num_speculative_tokens
+            self.speculator = Speculator.build(
+                speculation,
+                draft_model,
+                model,
+                num_blocks=config.num_blocks,
+                block_size=config.block_size,
+                max_model_len=config.max_model_len,
             )
+        elif draft_model is not None:
+            raise ValueError("a draft model needs a SpeculativeConfig with method 'draft'")
         self._requests: dict[int, _Request] = {}
         self._next_request_id = 0
         self._num_steps = 0
         self.last_step: StepStats | None = None  # the last step that completed
 
     # -- stats ----------------------------------------------------------------------------
+
+    @property
+    def spec_stats(self) -> SpecDecodeStats | None:
+        """Speculative decoding's counters (a live object: snapshot it to hand it on)."""
+        return None if self.speculator is None else self.speculator.stats
 
     @property
     def num_running(self) -> int:
@@ -318,8 +317,8 @@ class Engine:
 
     def _forget(self, request_id: int) -> None:
         self.sampler.forget(request_id)
-        if self._proposer is not None:
-            self._proposer.forget(request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
 
     # -- the step -------------------------------------------------------------------------
 
@@ -364,44 +363,23 @@ class Engine:
             num_speculative_tokens=sum(len(draft.token_ids) for draft in drafts.values()),
             num_decode_tokens=sum(_num_tokens(sampled.get(seq_id, 0)) for seq_id in decodes),
         )
-        if self._adaptive_k is not None and num_prefill_tokens == 0:
-            self._adaptive_k.observe(len(decodes), k, duration_s)
+        if self.speculator is not None:
+            self.speculator.observe(len(decodes), num_prefill_tokens, k, duration_s)
         return outputs
 
     def _plan_speculation(self) -> tuple[dict[int, int], int]:
-        """The lookahead tokens each decoding sequence asks for this step, and the step's k."""
-        if self.speculation is None:
+        """The lookahead each decoding sequence asks for this step, and the step's k."""
+        if self.speculator is None:
             return {}, 0
         decodes = [
-            seq for seq in self.scheduler.running if seq.num_tokens - seq.num_computed_tokens == 1
+            (seq, self._requests[seq.seq_id].params)
+            for seq in self.scheduler.running
+            if seq.num_tokens - seq.num_computed_tokens == 1
         ]
-        if self._adaptive_k is not None:
-            k = self._adaptive_k.choose(len(decodes))
-        else:
-            k = self.speculation.num_speculative_tokens
-        if self.spec_stats is not None:
-            self.spec_stats.last_k = k
-        plan: dict[int, int] = {}
-        if k == 0:
-            return plan, k
-        for seq in decodes:
-            params = self._requests[seq.seq_id].params
-            if not params.speculative:
-                continue
-            # Room for k tokens and one more, within max_tokens and max_model_len.
-            room = (
-                min(
-                    params.max_tokens - seq.num_completion_tokens,
-                    self.config.max_model_len - seq.num_tokens,
-                )
-                - 1
-            )
-            if min(k, room) > 0:
-                plan[seq.seq_id] = min(k, room)
-        return plan, k
+        return self.speculator.plan(decodes, self.config.max_model_len)
 
     def _propose(self, batch: ScheduledBatch) -> dict[int, Draft]:
-        if self._proposer is None:
+        if self.speculator is None:
             return {}
         requests: list[DraftRequest] = []
         for item in batch.items:
@@ -412,7 +390,7 @@ class Engine:
                 requests.append(
                     DraftRequest(item.seq, item.num_lookahead_tokens, params, generator)
                 )
-        return self._proposer.propose(requests)
+        return self.speculator.propose(requests)
 
     def _sample_and_check(
         self, batch: ScheduledBatch, logits: dict[int, torch.Tensor], drafts: dict[int, Draft]
@@ -481,22 +459,14 @@ class Engine:
         """The tokens the acceptance rule keeps of ``draft`` (and one more), or this row's
         exception."""
         params = self._requests[request_id].params
+        if self.speculator is None:
+            raise RuntimeError("a draft without a speculator")
         try:
-            tokens, logprobs = accept(
-                logits,
-                draft.token_ids,
-                draft.probs,
-                params,
-                self.sampler.generator_for(request_id, params),
+            return self.speculator.verify(
+                logits, draft, params, self.sampler.generator_for(request_id, params)
             )
         except Exception as exc:
             return exc
-        num_accepted = len(tokens) - 1
-        if self.spec_stats is not None:
-            self.spec_stats.record(len(draft.token_ids), num_accepted)
-        if self._adaptive_k is not None:
-            self._adaptive_k.accepted(len(draft.token_ids), num_accepted)
-        return tokens, logprobs
 
     def _fail(self, request: _Request, exc: Exception, produced_at: float) -> RequestOutput:
         """Abort one request whose row failed (between schedule and postprocess, which then
@@ -544,36 +514,3 @@ class Engine:
 
 def _num_tokens(tokens: int | tuple[int, ...]) -> int:
     return 1 if isinstance(tokens, int) else len(tokens)
-
-
-def _proposer(
-    speculation: SpeculativeConfig | None,
-    draft_model: PagedModel | None,
-    model: PagedModel,
-    config: EngineConfig,
-) -> Proposer | None:
-    """The proposer ``speculation`` asks for; :class:`ValueError` for a draft model that
-    does not fit the target."""
-    if speculation is None:
-        if draft_model is not None:
-            raise ValueError("a draft model needs a SpeculativeConfig with method 'draft'")
-        return None
-    if speculation.method == "ngram":
-        if draft_model is not None:
-            raise ValueError("the 'ngram' method takes no draft model")
-        return NgramProposer(ngram_min=speculation.ngram_min, ngram_max=speculation.ngram_max)
-    if draft_model is None:
-        raise ValueError("the 'draft' method needs a draft model")
-    if draft_model.config.vocab_size != model.config.vocab_size:
-        raise ValueError(
-            f"the draft model's vocabulary ({draft_model.config.vocab_size}) is not the "
-            f"target's ({model.config.vocab_size})"
-        )
-    if draft_model.config.n_positions < config.max_model_len:
-        raise ValueError(
-            f"the draft model has {draft_model.config.n_positions} positions, "
-            f"max_model_len is {config.max_model_len}"
-        )
-    return DraftModelProposer(
-        draft_model, num_blocks=config.num_blocks, block_size=config.block_size
-    )
