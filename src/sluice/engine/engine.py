@@ -14,6 +14,13 @@ requests end with it:
   text is not emitted), or the released text reached a stop string (text up to it only);
 - ``"length"``: ``max_tokens`` completion tokens, or ``max_model_len`` tokens in all.
 
+With speculative decoding (``speculation``), a decoding request may gain several tokens
+in one step: a proposer drafts up to ``k`` (:mod:`~sluice.engine.proposer`), the model
+scores them in the same pass (:meth:`~sluice.engine.model_runner.ModelRunner.verify`) and
+:mod:`~sluice.engine.acceptance` keeps what the model would have produced itself. Those
+tokens are checked one by one as above, so a request that ends at one (EOS, a stop string,
+a limit) drops the rest: the output is the one it would be without speculation.
+
 Faults are contained where they happen. A request whose own row fails (its logits cannot be
 sampled, or detokenizing or checking its token raises) is aborted alone, its blocks freed in
 the same step, and gets one finished output with ``error`` set; the rest of the batch goes

@@ -23,6 +23,14 @@ one batch under one token budget, ``max_num_batched_tokens``:
    sequences are admitted in FIFO order while ``block_manager.can_allocate`` holds, fewer
    than ``max_num_seqs`` run and budget is left; their prefix-cache hits are not recomputed.
 
+Speculative decoding asks ``schedule`` for lookahead: a decoding sequence may run its new
+token and up to ``k`` drafted ones after it (:attr:`ScheduledSequence.num_lookahead_tokens`,
+within the token budget). Their slots get blocks at once (``BlockManager.add_lookahead``)
+from those no reservation holds; when there are too few it decodes as usual, so
+speculation never preempts. ``postprocess`` then takes 1 to ``k + 1`` tokens for it (the
+accepted drafts and one more), counts the accepted drafts' K/V as computed, and gives back
+the lookahead blocks no accepted token reached (the rejected tokens' slots).
+
 A sampling item reserves the block its new token may need, so ``postprocess`` can always
 ``append_slot``. If a prefill's last chunk cannot reserve one, it stops one token short and
 finishes as a decode next step, where preemption can make room. The engine must stop a

@@ -16,9 +16,10 @@ a_1 a_2 + ...`` tokens per sequence, and costs ``cost(b, k)`` seconds at ``b`` d
 sequences (measured online, per power-of-two bucket of ``b``, on steps that ran decodes
 only). Each step takes the ``k`` (0: off) of the highest ``E(k) / cost(b, k)``. A bucket
 climbs: ``k + 1`` is first tried when ``k`` scores best so far, so a large batch where
-speculation costs more than it yields stays near 0; every ``explore_every`` steps of a
-bucket the less recently measured neighbour of the best is tried again, so a change of
-load or acceptance is seen.
+speculation costs more than it yields stays near 0; a larger ``k`` must score 5% better
+than a smaller one. ``explore_every`` steps after the best last changed, the less recently
+measured neighbour of the best is tried again (then ever less often while the best holds,
+up to 16 times further apart), so a change of load or acceptance is seen.
 """
 
 from __future__ import annotations
@@ -39,7 +40,14 @@ SpeculativeMethod = Literal["draft", "ngram"]
 # The weight of a new sample in the running acceptance rates and step costs.
 _SAMPLE_WEIGHT = 0.1
 # Steps of a bucket at one k before its cost counts as measured.
-_MIN_COST_SAMPLES = 2
+_MIN_COST_SAMPLES = 3
+# A larger k must score this much better than a smaller one: step costs are noisy, and the
+# smaller k is the cheaper mistake.
+_MARGIN = 1.05
+# Re-exploring a bucket whose best held is done ever less often, up to this many times
+# ``explore_every`` apart: after a long run without drafts, a draft model's first verify
+# catches up on every token since, which is what an exploration step then costs.
+_MAX_EXPLORE_BACKOFF = 16
 # A draft position's acceptance rate before any verify: the draft is worth trying.
 _PRIOR_ACCEPTANCE = 0.6
 
@@ -185,6 +193,9 @@ class AdaptiveK:
         self.acceptance = [_PRIOR_ACCEPTANCE] * max_k  # of position i after 1 .. i - 1
         self._costs: dict[tuple[int, int], _Cost] = {}
         self._num_steps: dict[int, int] = {}
+        self._next_explore: dict[int, int] = {}  # per bucket, the step to explore at
+        self._backoff: dict[int, int] = {}  # per bucket, explore_every's multiple now
+        self._last_best: dict[int, int] = {}
 
     @staticmethod
     def bucket(num_decodes: int) -> int:
@@ -213,8 +224,19 @@ class AdaptiveK:
                     return k
                 continue
             scores[k] = self.expected_tokens(k) / max(cost.seconds, 1e-12)
-        best = max(scores, key=scores.__getitem__)
-        if self._num_steps.get(bucket, 0) % self._explore_every == self._explore_every - 1:
+        best = min(scores)
+        for k in sorted(scores):
+            if scores[k] > scores[best] * _MARGIN:
+                best = k
+        step = self._num_steps.get(bucket, 0)
+        if self._last_best.get(bucket) != best:  # the best moved: explore at the base rate
+            self._last_best[bucket] = best
+            self._backoff[bucket] = 1
+            self._next_explore[bucket] = step + self._explore_every
+        elif step >= self._next_explore.get(bucket, 0):
+            backoff = self._backoff.get(bucket, 1)
+            self._backoff[bucket] = min(_MAX_EXPLORE_BACKOFF, 2 * backoff)
+            self._next_explore[bucket] = step + self._explore_every * self._backoff[bucket]
             neighbours = [k for k in (best - 1, best + 1) if k in scores]
             if neighbours:
                 return min(neighbours, key=lambda k: self._costs[bucket, k].last_step)
