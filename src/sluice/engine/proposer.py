@@ -56,6 +56,12 @@ class Proposer(Protocol):
 
     def forget(self, seq_id: int) -> None: ...
 
+    @property
+    def num_caught_up(self) -> int:
+        """Tokens the last :meth:`propose` ran beyond one a sequence to catch up (a draft
+        model's K/V of tokens it had not seen); 0 for a proposer without a model."""
+        ...
+
 
 class NgramProposer:
     """Prompt-lookup drafting (:func:`~sluice.engine.speculative.propose_ngram`)."""
@@ -80,6 +86,10 @@ class NgramProposer:
     def forget(self, seq_id: int) -> None:
         """Nothing is kept per sequence."""
 
+    @property
+    def num_caught_up(self) -> int:
+        return 0
+
 
 @dataclass(slots=True)
 class _DraftState:
@@ -97,14 +107,21 @@ class DraftModelProposer:
         self.vocab_size = model.config.vocab_size
         self.n_positions = model.config.n_positions
         self._states: dict[int, _DraftState] = {}
+        self._num_caught_up = 0
+
+    @property
+    def num_caught_up(self) -> int:
+        return self._num_caught_up
 
     def forget(self, seq_id: int) -> None:
         self._states.pop(seq_id, None)
 
     def propose(self, requests: Sequence_[DraftRequest]) -> dict[int, Draft]:
         if not requests:
+            self._num_caught_up = 0
             return {}
         slices = [self._catch_up(request) for request in requests]
+        self._num_caught_up = sum(len(s.token_ids) - 1 for s in slices)
         tokens: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = list(range(len(requests)))

@@ -14,7 +14,7 @@ its expected output: with ``a_i`` the measured rate at which draft position ``i`
 accepted after positions ``1 .. i - 1`` were, a step of ``k`` yields ``E(k) = 1 + a_1 +
 a_1 a_2 + ...`` tokens per sequence, and costs ``cost(b, k)`` seconds at ``b`` decoding
 sequences (measured online, per power-of-two bucket of ``b``, on steps that ran decodes
-only). Each step takes the ``k`` (0: off) of the highest ``E(k) / cost(b, k)``. A bucket
+only: the fastest of the last 8). Each step takes the ``k`` (0: off) of the highest ``E(k) / cost(b, k)``. A bucket
 climbs: ``k + 1`` is first tried when ``k`` scores best so far, so a large batch where
 speculation costs more than it yields stays near 0; a larger ``k`` must score 5% better
 than a smaller one. ``explore_every`` steps after the best last changed, the less recently
@@ -24,6 +24,7 @@ up to 16 times further apart), so a change of load or acceptance is seen.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -37,8 +38,10 @@ __all__ = [
 
 SpeculativeMethod = Literal["draft", "ngram"]
 
-# The weight of a new sample in the running acceptance rates and step costs.
+# The weight of a new sample in the running acceptance rates.
 _SAMPLE_WEIGHT = 0.1
+# Step costs kept per bucket and k (their minimum is the estimate, see _Cost).
+_NUM_RECENT_COSTS = 8
 # Steps of a bucket at one k before its cost counts as measured.
 _MIN_COST_SAMPLES = 3
 # A larger k must score this much better than a smaller one: step costs are noisy, and the
@@ -48,6 +51,8 @@ _MARGIN = 1.05
 # ``explore_every`` apart: after a long run without drafts, a draft model's first verify
 # catches up on every token since, which is what an exploration step then costs.
 _MAX_EXPLORE_BACKOFF = 16
+# Neighbours this much behind the best are re-explored at the longest interval at once.
+_CLEAR_LOSS = 1.25
 # A draft position's acceptance rate before any verify: the draft is worth trying.
 _PRIOR_ACCEPTANCE = 0.6
 
@@ -173,9 +178,18 @@ class SpecDecodeStats:
 
 @dataclass(slots=True)
 class _Cost:
-    seconds: float = 0.0
+    """The last few steady step costs at one bucket and ``k``. Their minimum is the
+    estimate: other work on the machine only ever adds time to a step, so the fastest
+    recent step is the closest to what the step itself costs, and two ``k`` measured at
+    different moments compare fairly."""
+
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=_NUM_RECENT_COSTS))
     num_samples: int = 0
     last_step: int = 0  # the bucket's step count when it was last measured
+
+    @property
+    def seconds(self) -> float:
+        return min(self.recent)
 
 
 class AdaptiveK:
@@ -234,28 +248,30 @@ class AdaptiveK:
             self._backoff[bucket] = 1
             self._next_explore[bucket] = step + self._explore_every
         elif step >= self._next_explore.get(bucket, 0):
-            backoff = self._backoff.get(bucket, 1)
-            self._backoff[bucket] = min(_MAX_EXPLORE_BACKOFF, 2 * backoff)
-            self._next_explore[bucket] = step + self._explore_every * self._backoff[bucket]
             neighbours = [k for k in (best - 1, best + 1) if k in scores]
+            backoff = 2 * self._backoff.get(bucket, 1)
+            if all(scores[k] * _CLEAR_LOSS < scores[best] for k in neighbours):
+                backoff = _MAX_EXPLORE_BACKOFF  # far behind: not worth a look soon
+            self._backoff[bucket] = min(_MAX_EXPLORE_BACKOFF, backoff)
+            self._next_explore[bucket] = step + self._explore_every * self._backoff[bucket]
             if neighbours:
                 return min(neighbours, key=lambda k: self._costs[bucket, k].last_step)
         return best
 
-    def observe(self, num_decodes: int, k: int, duration_s: float) -> None:
-        """A step of ``num_decodes`` decodes (and no prefill) at ``k`` took ``duration_s``."""
+    def observe(self, num_decodes: int, k: int, duration_s: float, *, steady: bool = True) -> None:
+        """A step of ``num_decodes`` decodes (and no prefill) at ``k`` took ``duration_s``;
+        one that is not ``steady`` (it did a one-off catch-up) counts as a step only."""
         if num_decodes == 0 or not 0 <= k <= self.max_k:
             return
         bucket = self.bucket(num_decodes)
         step = self._num_steps.get(bucket, 0) + 1
         self._num_steps[bucket] = step
+        if not steady:
+            return
         cost = self._costs.setdefault((bucket, k), _Cost())
         # Costs per sequence: a bucket pools batches of up to twice each other's size.
         seconds = duration_s / num_decodes * bucket
-        if cost.num_samples == 0:
-            cost.seconds = seconds
-        else:
-            cost.seconds += _SAMPLE_WEIGHT * (seconds - cost.seconds)
+        cost.recent.append(seconds)
         cost.num_samples += 1
         cost.last_step = step
 

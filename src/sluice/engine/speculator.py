@@ -42,6 +42,7 @@ class Speculator:
             else None
         )
         self.stats = SpecDecodeStats(config.method, config.num_speculative_tokens)
+        self._num_caught_up = 0  # of the step in progress
 
     @classmethod
     def build(
@@ -103,7 +104,18 @@ class Speculator:
         return plan, k
 
     def propose(self, requests: Sequence_[DraftRequest]) -> dict[int, Draft]:
-        return self.proposer.propose(requests) if requests else {}
+        """The drafts of ``requests``. One that got lookahead but no draft (prompt lookup
+        found no match) counts as a rejection at position 1: adaptive k weighs what a
+        step of k is likely to yield, and a missing draft yields nothing."""
+        if not requests:
+            self._num_caught_up = 0
+            return {}
+        drafts = self.proposer.propose(requests)
+        self._num_caught_up = self.proposer.num_caught_up
+        if self.adaptive_k is not None:
+            for _ in range(len(requests) - len(drafts)):
+                self.adaptive_k.accepted(1, 0)
+        return drafts
 
     def verify(
         self,
@@ -122,9 +134,14 @@ class Speculator:
         return tokens, logprobs
 
     def observe(self, num_decodes: int, num_prefill_tokens: int, k: int, duration_s: float) -> None:
-        """The step ran: its cost counts towards ``k`` when it ran decodes alone."""
-        if self.adaptive_k is not None and num_prefill_tokens == 0:
-            self.adaptive_k.observe(num_decodes, k, duration_s)
+        """The step ran: its cost counts towards ``k`` when it ran decodes alone and its
+        draft model did not catch up on more than a token a sequence (a catch-up after
+        steps without drafts costs once, not every step at that ``k``)."""
+        if self.adaptive_k is None or num_prefill_tokens:
+            return
+        steady = self._num_caught_up <= num_decodes
+        self._num_caught_up = 0
+        self.adaptive_k.observe(num_decodes, k, duration_s, steady=steady)
 
     def forget(self, seq_id: int) -> None:
         self.proposer.forget(seq_id)
