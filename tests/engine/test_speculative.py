@@ -70,6 +70,23 @@ def test_adaptive_k_turns_off_when_acceptance_is_low() -> None:
     assert run_policy(policy, 1, {0: 1.0, 1: 1.2, 2: 1.4, 3: 1.6}, steps=40) == 0
 
 
+def test_adaptive_k_costs_are_the_fastest_recent_steady_steps() -> None:
+    """A load spike (a slow k=0 step) or a one-off catch-up (a slow k=1 step, not steady)
+    does not make speculation look better or worse than it is."""
+    policy = AdaptiveK(1)
+    for _ in range(50):
+        policy.accepted(1, 0)  # never accepted: k=1 cannot pay
+    policy.observe(1, 0, 1.0)
+    policy.observe(1, 0, 9.0)  # the machine was busy
+    policy.observe(1, 0, 1.0)
+    assert policy.choose(1) == 1  # k=1 not measured yet: tried
+    policy.observe(1, 1, 30.0, steady=False)  # its draft caught up: no sample
+    assert policy.choose(1) == 1
+    for _ in range(3):
+        policy.observe(1, 1, 1.05)
+    assert policy.choose(1) == 0
+
+
 def test_adaptive_k_buckets_batch_sizes_by_powers_of_two() -> None:
     assert [AdaptiveK.bucket(n) for n in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
 
