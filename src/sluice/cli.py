@@ -16,7 +16,7 @@ import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import uvicorn
@@ -41,6 +41,8 @@ from sluice.engine.default_model import (
 from sluice.engine.driver import AsyncEngine
 from sluice.engine.engine import Engine, EngineConfig
 from sluice.engine.loader import load_checkpoint
+from sluice.engine.model_runner import PagedModel
+from sluice.engine.speculative import SpeculativeConfig
 from sluice.errors import ConfigError
 from sluice.gateway.app import SluiceApp, create_app
 from sluice.gateway.auth import (
@@ -247,6 +249,34 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=64,
         help="sequences the embedded engine runs in one batch",
+    )
+    serve.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="DIR",
+        help="speculative decoding with this draft model (same tokenizer as --model): it "
+        "proposes tokens that the model verifies in one pass; output is exactly the model's",
+    )
+    serve.add_argument(
+        "--speculative",
+        choices=("draft", "ngram"),
+        default=None,
+        help="speculative decoding: 'draft' (with --draft-model, its default) or 'ngram' "
+        "(prompt lookup: drafts what followed the latest repeat of the last few tokens, for "
+        "any model)",
+    )
+    serve.add_argument(
+        "--num-speculative-tokens",
+        type=_count,
+        default=4,
+        metavar="K",
+        help="the most tokens drafted per sequence and step (default 4); the engine picks "
+        "0..K each step from the measured acceptance and step costs",
+    )
+    serve.add_argument(
+        "--fixed-speculative-tokens",
+        action="store_true",
+        help="draft exactly --num-speculative-tokens every step (no adaptive k)",
     )
     serve.add_argument(
         "--engine-threads",
@@ -752,11 +782,14 @@ def _embedded_engine(
         checkpoint.config.n_positions, num_blocks=args.kv_blocks, max_num_seqs=args.max_running
     )
     tokenizer = checkpoint.tokenizer
+    speculation, draft_model = _speculation(args)
     engine = Engine(
         checkpoint.model,
         config,
         eos_token_id=tokenizer.eos_token_ids,
         token_bytes=tokenizer.token_bytes,
+        speculation=speculation,
+        draft_model=draft_model,
     )
     driver = AsyncEngine(engine)
     backend = EngineBackend(
@@ -774,6 +807,30 @@ def _embedded_engine(
         ttft_headroom_s=args.ttft_headroom,
     )
     return checkpoint.name, backend, _warm_engine(driver, backend)
+
+
+def _speculation(args: argparse.Namespace) -> tuple[SpeculativeConfig | None, PagedModel | None]:
+    """Speculative decoding as ``--speculative`` and ``--draft-model`` ask (off without
+    either); :class:`ConfigError` for a combination that cannot run."""
+    method: Literal["draft", "ngram"] | None = args.speculative or (
+        "draft" if args.draft_model is not None else None
+    )
+    if method is None:
+        return None, None
+    if method == "draft" and args.draft_model is None:
+        raise ConfigError("--speculative draft needs --draft-model DIR")
+    if method == "ngram" and args.draft_model is not None:
+        raise ConfigError("--speculative ngram takes no --draft-model")
+    try:
+        config = SpeculativeConfig(
+            method,
+            args.num_speculative_tokens,
+            adaptive=not args.fixed_speculative_tokens,
+        )
+    except ValueError as exc:
+        raise ConfigError(f"--num-speculative-tokens: {exc}") from exc
+    draft = None if args.draft_model is None else load_checkpoint(args.draft_model).model
+    return config, draft
 
 
 @contextlib.asynccontextmanager

@@ -12,9 +12,9 @@ from sluice.backends.admission import RetryAfterPacer, StepCostModel, TtftPredic
 from sluice.engine.engine import StepStats
 
 
-def fitted(a: float, b: float, c: float) -> StepCostModel:
+def fitted(a: float, b: float, c: float, d: float = 0.0) -> StepCostModel:
     cost = StepCostModel()
-    cost.coefficients = (a, b, c)
+    cost.coefficients = (a, b, c, d)
     return cost
 
 
@@ -25,7 +25,7 @@ def test_step_cost_is_unknown_until_enough_steps_then_fits_a_linear_cost() -> No
         assert (cost.step_s(1, 1) is None) == (count < 8)
         prefill, decodes = rng.randrange(0, 400), rng.randrange(0, 64)
         cost.observe(StepStats(prefill, decodes, 0.01 + 0.0002 * prefill + 0.001 * decodes))
-    assert cost.coefficients == pytest.approx((0.01, 0.0002, 0.001), rel=1e-3)
+    assert cost.coefficients == pytest.approx((0.01, 0.0002, 0.001, 0.0), rel=1e-3)
     assert cost.step_s(100, 10) == pytest.approx(0.01 + 0.02 + 0.01, rel=1e-3)
 
 
@@ -92,6 +92,32 @@ def test_slot_bound_prediction_waits_for_the_first_sequence_to_end() -> None:
     predictor.left("a")  # idempotent
     # A slot is free: the step in progress, then ours.
     assert predictor.predict_s(10, 8, limit_s=10.0) == pytest.approx(2 * one_decoding)
+
+
+def test_step_cost_learns_what_speculative_decodes_verify_and_emit() -> None:
+    """Steps whose decodes each verify 3 drafts and emit 2 tokens: the fit separates the
+    drafts' cost, and a decode counts as 2 tokens a step."""
+    cost = StepCostModel(min_steps=3)
+    rng = random.Random(2)
+    for _ in range(60):
+        decodes = rng.randrange(1, 32)
+        drafts = 3 * decodes if rng.random() < 0.5 else 0
+        emitted = 2 * decodes if drafts else decodes
+        duration_s = 0.01 + 0.001 * decodes + 0.0004 * drafts
+        cost.observe(StepStats(0, decodes, duration_s, drafts, emitted))
+    assert cost.coefficients == pytest.approx((0.01, 0.0, 0.001, 0.0004), rel=1e-3, abs=1e-9)
+    assert 1.3 < cost.tokens_per_decode < 1.7  # half the steps speculated
+    assert cost.step_s(0, 10, num_drafts=30) == pytest.approx(0.01 + 0.01 + 0.012, rel=1e-3)
+
+
+def test_slot_bound_prediction_counts_multi_token_decode_steps() -> None:
+    """One slot, 8 tokens left at 2 tokens a step: it ends after 4 steps, not 8."""
+    cost = fitted(0.01, 0.0, 0.0)
+    cost.tokens_per_decode = 2.0
+    predictor = TtftPredictor(1, 100, cost, prior_ratio=1.0)
+    predictor.queued("a", 10, 9, now=0.0)
+    predictor.generated("a", 1, produced_at=0.0, now=0.0)
+    assert predictor.predict_s(10, 8, limit_s=10.0) == pytest.approx(5 * 0.01)
 
 
 def test_queued_prompts_become_decodes_that_hold_their_slot() -> None:

@@ -231,7 +231,7 @@ async def test_request_predicted_over_the_ttft_slo_is_refused_before_it_is_queue
         backend = EngineBackend(
             "tiny", driver, setup.tokenizer, default_max_tokens=4, ttft_slo_s=0.5
         )
-        backend.step_cost.coefficients = (0.1, 0.0, 0.0)  # as if measured: 0.1 s a step
+        backend.step_cost.coefficients = (0.1, 0.0, 0.0, 0.0)  # as if measured: 0.1 s a step
         for key in range(4):  # four decoding, the first ends in 10 steps
             backend.predictor.queued(key, 8, 10 + key, now=0.0)
             backend.predictor.generated(key, 1, produced_at=0.0, now=0.0)

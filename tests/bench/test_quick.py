@@ -117,3 +117,10 @@ def test_scaleout_quick_compares_the_redis_log_with_the_memory_log() -> None:
     rounds = table_row(output, "| round trips per step")
     assert float(rounds[2]) <= 1.5  # the step's appends share a round trip
     assert table_row(output, "| resume on another replica")[4] in ("PASS", "MISS")
+
+
+def test_speculative_quick_run_keeps_greedy_output_identical_in_every_row() -> None:
+    output = run_quick("speculative")
+    # Exit 0 already means no greedy row differs (between modes, or from transformers).
+    assert "- greedy output identical in every row: PASS" in output
+    assert table_row(output, "| sluice-tiny | 0 | 1 | draft |")[5].endswith("x")

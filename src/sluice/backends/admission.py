@@ -6,11 +6,13 @@ token would come later than the objective. The prediction replays the engine's s
 step by step, until the new request's prefill would complete:
 
 - a busy engine is in a step now, so the new request joins after one step;
-- every decoding sequence decodes one token a step and frees its slot after its last one
+- every decoding sequence decodes one token a step (with speculative decoding, the mean
+  tokens per decode the engine's steps emitted) and frees its slot after its last one
   (``max_tokens``: an upper bound, as EOS may come sooner);
 - queued prompts take slots in FIFO order while fewer than ``max_num_seqs`` run, and share
   the step's token budget (``max_num_batched_tokens`` less the decodes) in that order;
-- a step costs what :class:`StepCostModel` has measured for its prefill tokens and decodes.
+- a step costs what :class:`StepCostModel` has measured for its prefill tokens, decodes
+  and the drafted tokens those verify (speculative decoding's multi-token steps).
 
 So it sees both ways a request waits: behind the prompts queued ahead of it (prefill
 bound) and for a slot held by sequences still decoding (slot bound), which a rate of
@@ -39,6 +41,7 @@ loop. The model publishes its coefficients as one tuple, so the two need no lock
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import statistics
 from collections import deque
@@ -62,16 +65,29 @@ _MAX_LAG_S = 5.0
 
 
 class StepCostModel:
-    """Seconds per engine step, ``a + b * prefill_tokens + c * decodes``, fitted to the
-    steps the engine ran by exponentially weighted least squares.
+    """Seconds per engine step, ``a + b * prefill_tokens + c * decodes + d * drafts``,
+    fitted to the steps the engine ran by exponentially weighted least squares (``drafts``:
+    the speculative tokens its decodes verified; 0 without speculation).
 
     Each step's weight decays by ``forgetting`` per later step (0.99: the last few hundred
     steps count). Coefficients stay non-negative: when the full fit has a negative one, the
     best fit without that term is used. :meth:`step_s` is ``None`` until ``min_steps``
-    steps were seen.
+    steps were seen. Steps with decodes also teach, with the same forgetting, the tokens
+    a decode emits (``tokens_per_decode``, 1 without speculation) and the drafts it
+    verifies (``drafts_per_decode``).
     """
 
-    __slots__ = ("_forgetting", "_gram", "_min_steps", "_moment", "_num_steps", "coefficients")
+    __slots__ = (
+        "_decode_sums",
+        "_forgetting",
+        "_gram",
+        "_min_steps",
+        "_moment",
+        "_num_steps",
+        "coefficients",
+        "drafts_per_decode",
+        "tokens_per_decode",
+    )
 
     def __init__(self, *, forgetting: float = 0.99, min_steps: int = 8) -> None:
         if not 0 < forgetting <= 1:
@@ -80,44 +96,65 @@ class StepCostModel:
             raise ValueError(f"min_steps must be at least 3, got {min_steps}")
         self._forgetting = forgetting
         self._min_steps = min_steps
-        self._gram = np.zeros((3, 3))
-        self._moment = np.zeros(3)
+        self._gram = np.zeros((4, 4))
+        self._moment = np.zeros(4)
         self._num_steps = 0
-        # (a, b, c), replaced as a whole: read from any thread without a lock.
-        self.coefficients: tuple[float, float, float] | None = None
+        self._decode_sums = np.zeros(3)  # decodes, tokens they emitted, drafts, decayed
+        # (a, b, c, d), replaced as a whole: read from any thread without a lock.
+        self.coefficients: tuple[float, float, float, float] | None = None
+        self.tokens_per_decode = 1.0
+        self.drafts_per_decode = 0.0
 
     def observe(self, stats: StepStats) -> None:
         """Add one step (called on the engine thread)."""
-        x = np.array([1.0, stats.num_prefill_tokens, stats.num_decodes])
+        x = np.array(
+            [1.0, stats.num_prefill_tokens, stats.num_decodes, stats.num_speculative_tokens]
+        )
         self._gram = self._forgetting * self._gram + np.outer(x, x)
         self._moment = self._forgetting * self._moment + stats.duration_s * x
         self._num_steps += 1
+        if stats.num_decodes:
+            emitted = stats.tokens_per_decode * stats.num_decodes
+            self._decode_sums = self._forgetting * self._decode_sums + np.array(
+                [stats.num_decodes, emitted, stats.num_speculative_tokens]
+            )
+            decodes, tokens, drafts = self._decode_sums
+            self.tokens_per_decode = max(1.0, float(tokens / decodes))
+            self.drafts_per_decode = float(drafts / decodes)
         if self._num_steps >= self._min_steps:
             self.coefficients = self._fit()
 
-    def _fit(self) -> tuple[float, float, float] | None:
+    def _fit(self) -> tuple[float, float, float, float] | None:
         # The full model first, then ever fewer terms, until every coefficient is >= 0.
-        for terms in ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,)):
-            index = np.array(terms)
-            gram = self._gram[np.ix_(index, index)] + 1e-9 * np.eye(len(terms))
-            try:
-                solution = np.linalg.solve(gram, self._moment[index])
-            except np.linalg.LinAlgError:
-                continue
-            if (solution >= 0).all():
-                coefficients = [0.0, 0.0, 0.0]
-                for term, value in zip(terms, solution, strict=True):
-                    coefficients[term] = float(value)
-                return coefficients[0], coefficients[1], coefficients[2]
+        for size in range(4, 0, -1):
+            for terms in itertools.combinations(range(4), size):
+                index = np.array(terms)
+                gram = self._gram[np.ix_(index, index)] + 1e-9 * np.eye(len(terms))
+                try:
+                    solution = np.linalg.solve(gram, self._moment[index])
+                except np.linalg.LinAlgError:
+                    continue
+                if (solution >= 0).all():
+                    coefficients = [0.0, 0.0, 0.0, 0.0]
+                    for term, value in zip(terms, solution, strict=True):
+                        coefficients[term] = float(value)
+                    a, b, c, d = coefficients
+                    return a, b, c, d
         return self.coefficients
 
-    def step_s(self, num_prefill_tokens: int, num_decodes: int) -> float | None:
-        """Predicted seconds of a step that runs this much, or ``None`` before a fit."""
+    def step_s(
+        self, num_prefill_tokens: int, num_decodes: int, num_drafts: float | None = None
+    ) -> float | None:
+        """Predicted seconds of a step that runs this much (``num_drafts``: the drafts its
+        decodes verify; by default what the engine's decodes have lately), or ``None``
+        before a fit."""
         coefficients = self.coefficients
         if coefficients is None:
             return None
-        a, b, c = coefficients
-        return a + b * num_prefill_tokens + c * num_decodes
+        a, b, c, d = coefficients
+        if num_drafts is None:
+            num_drafts = num_decodes * self.drafts_per_decode
+        return a + b * num_prefill_tokens + c * num_decodes + d * num_drafts
 
 
 class _Spread:
@@ -262,9 +299,11 @@ class TtftPredictor:
             return None
         ends: list[int] = []  # for each decoding sequence, the step of its last token
         queue: deque[list[int]] = deque()  # [prompt tokens left, max_tokens], FIFO
+        per_step = cost.tokens_per_decode  # tokens a decode emits a step
         for request in self._requests.values():
             if request.num_generated:
-                ends.append(max(1, request.max_tokens - request.num_generated))
+                num_left = request.max_tokens - request.num_generated
+                ends.append(max(1, math.ceil(num_left / per_step)))
             else:
                 queue.append([request.num_prompt_tokens, request.max_tokens])
         heapq.heapify(ends)
@@ -310,7 +349,7 @@ class TtftPredictor:
                 num_holding_slots -= 1
                 if item is target:
                     return elapsed_s
-                heapq.heappush(ends, step + item[1] - 1)
+                heapq.heappush(ends, step + max(0, math.ceil((item[1] - 1) / per_step)))
             while ends and ends[0] <= step:
                 heapq.heappop(ends)
             if step == joins_after_step:

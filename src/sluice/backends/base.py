@@ -141,6 +141,9 @@ class GenerationRequest:
     # Generate all max_tokens even past an end-of-sequence token (benchmarks, tests; vLLM
     # accepts the same extension).
     ignore_eos: bool = False
+    # False: the embedded engine never speculates for this request (an opt-out; speculation
+    # changes no output, only how fast it comes).
+    speculative: bool = True
     # When the HTTP request began to arrive (time.monotonic()), if the server knows: time
     # already spent counts against a time-to-first-token objective.
     received_at: float | None = None

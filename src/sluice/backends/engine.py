@@ -305,6 +305,8 @@ def _request_params(
         changes["stop"] = request.stop
     if request.ignore_eos:
         changes["ignore_eos"] = True
+    if not request.speculative:
+        changes["speculative"] = False
     return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
 
 
@@ -411,6 +413,7 @@ class EngineBackend:
                 "kv_blocks_used": blocks.num_used_blocks,
                 "prefix_hits": blocks.num_prefix_hits,
                 "preemptions": engine.scheduler.num_preemptions,
+                **_spec_decode_stats(engine),
             }
 
         stats = await self._driver.call(snapshot)
@@ -423,3 +426,25 @@ class EngineBackend:
     async def aclose(self) -> None:
         """Stop the prompt workers; the driver belongs to whoever started it."""
         self._prompts.close()
+
+
+def _spec_decode_stats(engine: Engine) -> dict[str, int]:
+    """Speculative decoding's counters (vLLM's ``spec_decode`` series), when it is on: drafts,
+    drafted and accepted tokens, each per draft position (1-based), the acceptance rate in
+    percent and the last step's ``k``."""
+    spec = engine.spec_stats
+    if spec is None:
+        return {}
+    stats = {
+        "spec_decode_drafts": spec.num_drafts,
+        "spec_decode_draft_tokens": spec.num_draft_tokens,
+        "spec_decode_accepted_tokens": spec.num_accepted_tokens,
+        "spec_decode_acceptance_pct": round(spec.acceptance_rate * 100),
+        "spec_decode_k": spec.last_k,
+    }
+    for position, (drafted, accepted) in enumerate(
+        zip(spec.num_draft_tokens_per_pos, spec.num_accepted_tokens_per_pos, strict=True), 1
+    ):
+        stats[f"spec_decode_draft_tokens_pos_{position}"] = drafted
+        stats[f"spec_decode_accepted_tokens_pos_{position}"] = accepted
+    return stats

@@ -87,6 +87,7 @@ class _OpenAICommon(_Lenient):
     stop: _Stop | Annotated[list[_Stop], Field(max_length=16)] | None = None
     n: Annotated[int, Field(ge=1, le=1)] = 1
     ignore_eos: bool = False  # vLLM's extension: run all max_tokens past an end of text
+    speculative: bool = True  # ours: false opts out of speculative decoding
     user: Annotated[str, Field(max_length=256)] | None = None  # the routing key
 
 
@@ -226,6 +227,7 @@ def parse_openai(payload: object, limits: RequestLimits, *, chat: bool) -> Parse
         seed=body.seed,
         stop=_stops(body.stop),
         ignore_eos=body.ignore_eos,
+        speculative=body.speculative,
         routing_key=body.user or None,
     )
     include_usage = body.stream_options is not None and body.stream_options.include_usage

@@ -1,4 +1,5 @@
-"""Engine logic that needs no accelerator: sequences, the KV-cache block manager, the scheduler.
+"""Engine logic that needs no accelerator: sequences, the KV-cache block manager, the scheduler,
+speculation's plan (prompt lookup, adaptive k).
 
 Pure Python, self-contained (imports nothing else from ``sluice``), tested on the CPU.
 """
@@ -25,8 +26,15 @@ from sluice.engine.scheduler import (
     StepOrderError,
 )
 from sluice.engine.sequence import Sequence, SequenceStatus
+from sluice.engine.speculative import (
+    AdaptiveK,
+    SpecDecodeStats,
+    SpeculativeConfig,
+    propose_ngram,
+)
 
 __all__ = [
+    "AdaptiveK",
     "Block",
     "BlockAllocationError",
     "BlockHashFn",
@@ -42,6 +50,9 @@ __all__ = [
     "SchedulerError",
     "Sequence",
     "SequenceStatus",
+    "SpecDecodeStats",
+    "SpeculativeConfig",
     "StepOrderError",
     "compute_block_hash",
+    "propose_ngram",
 ]

@@ -223,6 +223,7 @@ class BlockManager:
             if (index + 1) * self.block_size <= seq.num_tokens:
                 self._register_full_block(seq, index)
         seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_allocations += 1
 
     def free(self, seq: Sequence, *, keep_cache: bool = True) -> None:
         """Release ``seq``'s blocks (last block first), clear its table and cached count.
@@ -246,6 +247,7 @@ class BlockManager:
                 self._free_block_ids[block_id] = None
         seq.block_table.clear()
         seq.num_cached_tokens = 0
+        seq.num_lookahead_blocks = 0
 
     # -- decoding -----------------------------------------------------------------------
 
@@ -265,16 +267,55 @@ class BlockManager:
         self._check_block_size(seq)
         starts_block = (seq.num_tokens - 1) % self.block_size == 0
         expected = seq.num_blocks - 1 if starts_block else seq.num_blocks
-        if not seq.block_table or len(seq.block_table) != expected:
+        num_owned = len(seq.block_table) - seq.num_lookahead_blocks
+        if not seq.block_table or num_owned != expected:
             raise BlockTableError(
-                f"sequence {seq.seq_id} has {len(seq.block_table)} blocks, expected "
+                f"sequence {seq.seq_id} has {num_owned} blocks, expected "
                 f"{expected} before append_slot for {seq.num_tokens} tokens"
             )
         if starts_block:
-            block = self._take_free_block()
-            seq.block_table.append(block.block_id)
+            if seq.num_lookahead_blocks:
+                seq.num_lookahead_blocks -= 1  # its K/V may already be written: keep it
+            else:
+                block = self._take_free_block()
+                seq.block_table.append(block.block_id)
         if seq.num_tokens % self.block_size == 0:
             self._register_full_block(seq, seq.num_blocks - 1)
+
+    # -- speculation --------------------------------------------------------------------
+
+    def num_lookahead_blocks_needed(self, seq: Sequence, num_slots: int) -> int:
+        """Free blocks ``add_lookahead(seq, num_slots)`` would take."""
+        num_covered = len(seq.block_table) * self.block_size
+        return max(0, -(-(seq.num_tokens + num_slots - num_covered) // self.block_size))
+
+    def add_lookahead(self, seq: Sequence, num_slots: int) -> None:
+        """Give ``seq`` blocks for ``num_slots`` token slots past its tokens (speculative
+        tokens' K/V), so that ``append_slot`` uses them as its tokens are accepted.
+        Raises :class:`BlockAllocationError` (changing nothing) if too few are free."""
+        self._check_block_size(seq)
+        if not seq.block_table:
+            raise BlockTableError(f"sequence {seq.seq_id} has no block table")
+        num_needed = self.num_lookahead_blocks_needed(seq, num_slots)
+        if num_needed > self.num_free_blocks:
+            raise BlockAllocationError(
+                f"sequence {seq.seq_id} needs {num_needed} lookahead blocks, "
+                f"{self.num_free_blocks} are free"
+            )
+        for _ in range(num_needed):
+            seq.block_table.append(self._take_free_block().block_id)
+        seq.num_lookahead_blocks += num_needed
+
+    def free_lookahead(self, seq: Sequence) -> None:
+        """Return the lookahead blocks no accepted token came to use (their K/V is that of
+        rejected drafts: never cached)."""
+        for _ in range(seq.num_lookahead_blocks):
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count = 0
+            self._forget(block)
+            self._used_block_ids.discard(block.block_id)
+            self._free_block_ids[block.block_id] = None
+        seq.num_lookahead_blocks = 0
 
     # -- internals ----------------------------------------------------------------------
 

@@ -14,6 +14,13 @@ requests end with it:
   text is not emitted), or the released text reached a stop string (text up to it only);
 - ``"length"``: ``max_tokens`` completion tokens, or ``max_model_len`` tokens in all.
 
+With speculative decoding (``speculation``), a decoding request may gain several tokens
+in one step: a proposer drafts up to ``k`` (:mod:`~sluice.engine.proposer`), the model
+scores them in the same pass (:meth:`~sluice.engine.model_runner.ModelRunner.verify`) and
+:mod:`~sluice.engine.acceptance` keeps what the model would have produced itself. Those
+tokens are checked one by one as above, so a request that ends at one (EOS, a stop string,
+a limit) drops the rest: the output is the one it would be without speculation.
+
 Faults are contained where they happen. A request whose own row fails (its logits cannot be
 sampled, or detokenizing or checking its token raises) is aborted alone, its blocks freed in
 the same step, and gets one finished output with ``error`` set; the rest of the batch goes
@@ -36,10 +43,13 @@ import torch
 from sluice.engine.block_manager import BlockManager, BlockManagerStats
 from sluice.engine.detokenizer import IncrementalDetokenizer
 from sluice.engine.model_runner import ModelRunner, PagedModel
+from sluice.engine.proposer import Draft, DraftRequest
 from sluice.engine.sampler import Sampler, SamplingError
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from sluice.engine.sequence import Sequence
+from sluice.engine.speculative import SpecDecodeStats, SpeculativeConfig
+from sluice.engine.speculator import Speculator
 
 __all__ = [
     "REQUEST_FAILED_MESSAGE",
@@ -124,11 +134,22 @@ class EngineConfig:
 @dataclass(frozen=True)
 class StepStats:
     """What one step ran and how long it took: ``num_prefill_tokens`` prompt (or recompute)
-    tokens, ``num_decodes`` sequences decoding one token each, in ``duration_s`` seconds."""
+    tokens, ``num_decodes`` decoding sequences, in ``duration_s`` seconds. With speculation
+    the decodes also verified ``num_speculative_tokens`` drafted tokens and emitted
+    ``num_decode_tokens`` tokens in all (without, one each)."""
 
     num_prefill_tokens: int
     num_decodes: int
     duration_s: float
+    num_speculative_tokens: int = 0
+    num_decode_tokens: int | None = None  # None: num_decodes
+
+    @property
+    def tokens_per_decode(self) -> float:
+        """Tokens each decoding sequence gained, on average (1 without speculation)."""
+        if self.num_decode_tokens is None or self.num_decodes == 0:
+            return 1.0
+        return self.num_decode_tokens / self.num_decodes
 
 
 @dataclass(frozen=True)
@@ -177,6 +198,11 @@ class Engine:
     ``token_bytes`` turns a token id into its raw bytes (the tokenizer supplies it).
     ``eos_token_id`` is the id, or the ids, that end a generation (every EOS the model's
     config files declare; Llama 3 has two, ``<|end_of_text|>`` and ``<|eot_id|>``).
+
+    ``speculation`` turns on speculative decoding (``draft_model`` is its draft for the
+    ``"draft"`` method: the target's vocabulary, at least ``max_model_len`` positions).
+    Outputs are then exactly the target's: token for token at greedy, in distribution when
+    sampled; a request with ``SamplingParams(speculative=False)`` never speculates.
     """
 
     def __init__(
@@ -186,6 +212,8 @@ class Engine:
         *,
         eos_token_id: int | Collection[int] | None,
         token_bytes: Callable[[int], bytes],
+        speculation: SpeculativeConfig | None = None,
+        draft_model: PagedModel | None = None,
     ) -> None:
         if config.max_model_len > model.config.n_positions:
             raise ValueError(
@@ -208,12 +236,29 @@ class Engine:
             model, model.make_kv_cache(config.num_blocks, config.block_size)
         )
         self.sampler = Sampler()
+        self.speculator: Speculator | None = None
+        if speculation is not None:
+            self.speculator = Speculator.build(
+                speculation,
+                draft_model,
+                model,
+                num_blocks=config.num_blocks,
+                block_size=config.block_size,
+                max_model_len=config.max_model_len,
+            )
+        elif draft_model is not None:
+            raise ValueError("a draft model needs a SpeculativeConfig with method 'draft'")
         self._requests: dict[int, _Request] = {}
         self._next_request_id = 0
         self._num_steps = 0
         self.last_step: StepStats | None = None  # the last step that completed
 
     # -- stats ----------------------------------------------------------------------------
+
+    @property
+    def spec_stats(self) -> SpecDecodeStats | None:
+        """Speculative decoding's counters (a live object: snapshot it to hand it on)."""
+        return None if self.speculator is None else self.speculator.stats
 
     @property
     def num_running(self) -> int:
@@ -274,8 +319,13 @@ class Engine:
         if request is None:
             return False
         self.scheduler.abort(request_id)
-        self.sampler.forget(request_id)
+        self._forget(request_id)
         return True
+
+    def _forget(self, request_id: int) -> None:
+        self.sampler.forget(request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
 
     # -- the step -------------------------------------------------------------------------
 
@@ -287,10 +337,18 @@ class Engine:
         before the error propagates, so the engine stays usable.
         """
         started = time.perf_counter()
-        batch = self.scheduler.schedule()
+        num_lookahead, k = self._plan_speculation()
+        batch = self.scheduler.schedule(num_lookahead)
+        drafts: dict[int, Draft] = {}
         try:
-            logits = self.model_runner.run(batch)
-            sampled, outputs, finished = self._sample_and_check(batch, logits)
+            drafts = self._propose(batch)
+            if drafts:
+                logits = self.model_runner.verify(
+                    batch, {seq_id: draft.token_ids for seq_id, draft in drafts.items()}
+                )
+            else:  # one row each
+                logits = {seq_id: row[None] for seq_id, row in self.model_runner.run(batch).items()}
+            sampled, outputs, finished = self._sample_and_check(batch, logits, drafts)
         except BaseException:
             for item in batch.items:
                 self.abort(item.seq.seq_id)
@@ -301,61 +359,121 @@ class Engine:
         self.scheduler.postprocess(batch, sampled, finished)
         for request_id in finished:
             self._requests.pop(request_id, None)
-            self.sampler.forget(request_id)
-        num_decodes = sum(1 for item in batch.items if item.num_new_tokens == 1)
+            self._forget(request_id)
+        decodes = [item.seq.seq_id for item in batch.items if item.num_new_tokens == 1]
+        num_prefill_tokens = sum(item.num_new_tokens for item in batch.items) - len(decodes)
+        duration_s = time.perf_counter() - started
         self.last_step = StepStats(
-            num_prefill_tokens=batch.num_batched_tokens - num_decodes,
-            num_decodes=num_decodes,
-            duration_s=time.perf_counter() - started,
+            num_prefill_tokens=num_prefill_tokens,
+            num_decodes=len(decodes),
+            duration_s=duration_s,
+            num_speculative_tokens=sum(len(draft.token_ids) for draft in drafts.values()),
+            num_decode_tokens=sum(_num_tokens(sampled.get(seq_id, 0)) for seq_id in decodes),
         )
+        if self.speculator is not None:
+            self.speculator.observe(len(decodes), num_prefill_tokens, k, duration_s)
         return outputs
 
+    def _plan_speculation(self) -> tuple[dict[int, int], int]:
+        """The lookahead each decoding sequence asks for this step, and the step's k."""
+        if self.speculator is None:
+            return {}, 0
+        decodes = [
+            (seq, self._requests[seq.seq_id].params)
+            for seq in self.scheduler.running
+            if seq.num_tokens - seq.num_computed_tokens == 1
+        ]
+        return self.speculator.plan(decodes, self.config.max_model_len)
+
+    def _propose(self, batch: ScheduledBatch) -> dict[int, Draft]:
+        if self.speculator is None:
+            return {}
+        requests: list[DraftRequest] = []
+        for item in batch.items:
+            request = self._requests.get(item.seq.seq_id)
+            if item.num_lookahead_tokens and request is not None:
+                params = request.params
+                generator = self.sampler.generator_for(item.seq.seq_id, params)
+                requests.append(
+                    DraftRequest(item.seq, item.num_lookahead_tokens, params, generator)
+                )
+        return self.speculator.propose(requests)
+
     def _sample_and_check(
-        self, batch: ScheduledBatch, logits: dict[int, torch.Tensor]
-    ) -> tuple[dict[int, int], list[RequestOutput], set[int]]:
+        self, batch: ScheduledBatch, logits: dict[int, torch.Tensor], drafts: dict[int, Draft]
+    ) -> tuple[dict[int, tuple[int, ...]], list[RequestOutput], set[int]]:
         request_ids = [seq_id for seq_id in batch.sampled_seq_ids if seq_id in self._requests]
         if not request_ids:
             return {}, [], set()
-        requests = [self._requests[request_id] for request_id in request_ids]
-        results = self.sampler.sample(
-            torch.stack([logits[request_id] for request_id in request_ids]),
-            [request.params for request in requests],
-            request_ids,
-        )
+        plain = [request_id for request_id in request_ids if request_id not in drafts]
+        results: dict[int, tuple[list[int], list[float]] | Exception] = {}
+        if plain:
+            for request_id, one in zip(
+                plain,
+                self.sampler.sample(
+                    torch.stack([logits[request_id][0] for request_id in plain]),
+                    [self._requests[request_id].params for request_id in plain],
+                    plain,
+                ),
+                strict=True,
+            ):
+                results[request_id] = (
+                    one if isinstance(one, Exception) else ([one.token_id], [one.logprob])
+                )
+        for request_id, draft in drafts.items():
+            if request_id in self._requests:
+                results[request_id] = self._verify(request_id, logits[request_id], draft)
         produced_at = time.monotonic()
-        sampled: dict[int, int] = {}
+        sampled: dict[int, tuple[int, ...]] = {}
         outputs: list[RequestOutput] = []
         finished: set[int] = set()
-        for request, result in zip(requests, results, strict=True):
+        for request_id in request_ids:
+            request, outcome = self._requests[request_id], results[request_id]
             seq = request.seq
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = seq.num_cached_tokens
             try:
-                if isinstance(result, Exception):
-                    raise result
-                text, reason = self._check_finish(request, result.token_id)
+                if isinstance(outcome, Exception):
+                    raise outcome
+                tokens, logprobs = outcome
+                text, reason, num_kept = self._check_finish(request, tokens)
             except Exception as exc:  # this request's fault alone: the batch goes on
                 outputs.append(self._fail(request, exc, produced_at))
                 continue
-            sampled[seq.seq_id] = result.token_id
+            sampled[seq.seq_id] = tuple(tokens[:num_kept])
             if reason is not None:
                 finished.add(seq.seq_id)
             outputs.append(
                 RequestOutput(
                     request_id=seq.seq_id,
                     new_text=text,
-                    new_token_ids=(result.token_id,),
+                    new_token_ids=tuple(tokens[:num_kept]),
                     finished=reason is not None,
                     finish_reason=reason,
                     num_prompt_tokens=seq.num_prompt_tokens,
-                    num_completion_tokens=seq.num_completion_tokens + 1,
+                    num_completion_tokens=seq.num_completion_tokens + num_kept,
                     num_cached_tokens=request.num_cached_tokens,
-                    logprobs=(result.logprob,) if request.params.logprobs else None,
+                    logprobs=tuple(logprobs[:num_kept]) if request.params.logprobs else None,
                     produced_at=produced_at,
                     stop_sequence=request.detokenizer.stop if reason == "stop" else None,
                 )
             )
         return sampled, outputs, finished
+
+    def _verify(
+        self, request_id: int, logits: torch.Tensor, draft: Draft
+    ) -> tuple[list[int], list[float]] | Exception:
+        """The tokens the acceptance rule keeps of ``draft`` (and one more), or this row's
+        exception."""
+        params = self._requests[request_id].params
+        if self.speculator is None:
+            raise RuntimeError("a draft without a speculator")
+        try:
+            return self.speculator.verify(
+                logits, draft, params, self.sampler.generator_for(request_id, params)
+            )
+        except Exception as exc:
+            return exc
 
     def _fail(self, request: _Request, exc: Exception, produced_at: float) -> RequestOutput:
         """Abort one request whose row failed (between schedule and postprocess, which then
@@ -377,17 +495,29 @@ class Engine:
             error=message,
         )
 
-    def _check_finish(self, request: _Request, token: int) -> tuple[str, FinishReason | None]:
-        """The text ``token`` releases and why the request ends with it, if it does."""
+    def _check_finish(
+        self, request: _Request, tokens: list[int]
+    ) -> tuple[str, FinishReason | None, int]:
+        """The text ``tokens`` release, why the request ends with them if it does, and how
+        many of them it keeps: a request that ends at a token drops the tokens after it."""
         params, detokenizer = request.params, request.detokenizer
-        is_eos = token in self.eos_token_ids and not params.ignore_eos
-        if is_eos or token in params.stop_token_ids:
-            return detokenizer.flush(), "stop"
-        text = detokenizer.push(self._token_bytes(token))
-        if detokenizer.stop is not None:
-            return text, "stop"
-        num_completion_tokens = request.seq.num_completion_tokens + 1
-        num_tokens = request.seq.num_tokens + 1
-        if num_completion_tokens >= params.max_tokens or num_tokens >= self.config.max_model_len:
-            return text + detokenizer.flush(), "length"
-        return text, None
+        released: list[str] = []
+        for number, token in enumerate(tokens, 1):
+            is_eos = token in self.eos_token_ids and not params.ignore_eos
+            if is_eos or token in params.stop_token_ids:
+                return "".join(released) + detokenizer.flush(), "stop", number
+            released.append(detokenizer.push(self._token_bytes(token)))
+            if detokenizer.stop is not None:
+                return "".join(released), "stop", number
+            num_completion_tokens = request.seq.num_completion_tokens + number
+            num_tokens = request.seq.num_tokens + number
+            if (
+                num_completion_tokens >= params.max_tokens
+                or num_tokens >= self.config.max_model_len
+            ):
+                return "".join(released) + detokenizer.flush(), "length", number
+        return "".join(released), None, len(tokens)
+
+
+def _num_tokens(tokens: int | tuple[int, ...]) -> int:
+    return 1 if isinstance(tokens, int) else len(tokens)

@@ -11,7 +11,8 @@ stops short of the end of the prompt samples nothing).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -21,7 +22,7 @@ from sluice.engine.models.step import StepSequence
 from sluice.engine.scheduler import ScheduledBatch
 from sluice.engine.sequence import SequenceStatus
 
-__all__ = ["ModelRunner", "PagedModel", "PagedModelConfig"]
+__all__ = ["ModelRunner", "ModelSlice", "PagedModel", "PagedModelConfig"]
 
 
 class PagedModelConfig(Protocol):
@@ -51,6 +52,17 @@ class PagedModel(Protocol):
     def make_kv_cache(self, num_blocks: int, block_size: int) -> KVCache: ...
 
 
+@dataclass(frozen=True, slots=True)
+class ModelSlice:
+    """Tokens of one sequence to run: ``token_ids`` at positions from ``start_position``,
+    their K/V written through ``block_table``; logits of the last ``num_logits``."""
+
+    token_ids: Sequence[int]
+    start_position: int
+    block_table: Sequence[int]
+    num_logits: int = 1
+
+
 class ModelRunner:
     """Owns the model and its KV cache; turns a scheduled batch into next-token logits."""
 
@@ -68,29 +80,72 @@ class ModelRunner:
         Items whose sequence has finished (aborted after ``schedule``) are skipped: their
         blocks are gone.
         """
+        logits = self.verify(batch, {})
+        return {seq_id: rows[0] for seq_id, rows in logits.items()}
+
+    def verify(
+        self, batch: ScheduledBatch, draft_token_ids: Mapping[int, Sequence[int]]
+    ) -> dict[int, torch.Tensor]:
+        """Run ``batch`` with each sequence's draft tokens after its new ones; return the
+        ``[1 + num_drafts, vocab]`` logits of each sampling item by seq_id (row ``i`` scores
+        the token after draft ``i``). Draft K/V go to the slots after the sequence's tokens,
+        which the scheduler gave it (``num_lookahead_tokens``)."""
         items = [item for item in batch.items if item.seq.status is not SequenceStatus.FINISHED]
         if not items:
             return {}
+        slices: list[ModelSlice] = []
+        for item in items:
+            seq = item.seq
+            tokens = seq.token_ids[
+                item.num_computed_tokens : item.num_computed_tokens + item.num_new_tokens
+            ]
+            drafts = draft_token_ids.get(seq.seq_id, ()) if item.samples else ()
+            if len(drafts) > item.num_lookahead_tokens:
+                raise ValueError(
+                    f"sequence {seq.seq_id} has {len(drafts)} draft tokens, "
+                    f"{item.num_lookahead_tokens} lookahead slots"
+                )
+            slices.append(
+                ModelSlice(
+                    [*tokens, *drafts],
+                    item.num_computed_tokens,
+                    seq.block_table,
+                    num_logits=1 + len(drafts),
+                )
+            )
+        logits = self.forward(slices)
+        out: dict[int, torch.Tensor] = {}
+        row = 0
+        for item, model_slice in zip(items, slices, strict=True):
+            if item.samples:
+                out[item.seq.seq_id] = logits[row : row + model_slice.num_logits]
+            row += model_slice.num_logits
+        return out
+
+    def forward(self, slices: Sequence[ModelSlice]) -> torch.Tensor:
+        """Run the model once over ``slices``; ``[sum of num_logits, vocab]`` logits."""
         input_ids: list[int] = []
         positions: list[int] = []
         step_seqs: list[StepSequence] = []
-        for item in items:
-            context_len = item.num_computed_tokens + item.num_new_tokens
+        for model_slice in slices:
+            num_new = len(model_slice.token_ids)
+            context_len = model_slice.start_position + num_new
             step_seqs.append(
                 StepSequence(
                     start=len(input_ids),
-                    num_new_tokens=item.num_new_tokens,
+                    num_new_tokens=num_new,
                     context_len=context_len,
-                    block_table=tuple(item.seq.block_table),
+                    block_table=tuple(model_slice.block_table),
+                    num_logits=model_slice.num_logits,
                 )
             )
-            input_ids.extend(item.seq.token_ids[item.num_computed_tokens : context_len])
-            positions.extend(range(item.num_computed_tokens, context_len))
+            input_ids.extend(model_slice.token_ids)
+            positions.extend(range(model_slice.start_position, context_len))
         with torch.inference_mode():
-            logits = self.model(
+            logits: torch.Tensor = self.model(
                 torch.tensor(input_ids, dtype=torch.long, device=self.device),
                 torch.tensor(positions, dtype=torch.long, device=self.device),
                 step_seqs,
                 self.kv_cache,
             )
-        return {item.seq.seq_id: logits[row] for row, item in enumerate(items) if item.samples}
+        return logits

@@ -84,6 +84,10 @@ class Sampler:
         """The request ended: drop its generator."""
         self._generators.pop(request_id, None)
 
+    def generator_for(self, request_id: int, params: SamplingParams) -> torch.Generator | None:
+        """The request's own generator when it has a ``seed``; None (the global one) if not."""
+        return None if params.seed is None else self._generator(request_id, params.seed)
+
     def _generator(self, request_id: int, seed: int) -> torch.Generator:
         generator = self._generators.get(request_id)
         if generator is None:

@@ -36,6 +36,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = field(default=())
     ignore_eos: bool = False
     logprobs: bool = False
+    speculative: bool = True  # False: never speculate for this request (an opt-out)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -23,6 +23,14 @@ one batch under one token budget, ``max_num_batched_tokens``:
    sequences are admitted in FIFO order while ``block_manager.can_allocate`` holds, fewer
    than ``max_num_seqs`` run and budget is left; their prefix-cache hits are not recomputed.
 
+Speculative decoding asks ``schedule`` for lookahead: a decoding sequence may run its new
+token and up to ``k`` drafted ones after it (:attr:`ScheduledSequence.num_lookahead_tokens`,
+within the token budget). Their slots get blocks at once (``BlockManager.add_lookahead``)
+from those no reservation holds; when there are too few it decodes as usual, so
+speculation never preempts. ``postprocess`` then takes 1 to ``k + 1`` tokens for it (the
+accepted drafts and one more), counts the accepted drafts' K/V as computed, and gives back
+the lookahead blocks no accepted token reached (the rejected tokens' slots).
+
 A sampling item reserves the block its new token may need, so ``postprocess`` can always
 ``append_slot``. If a prefill's last chunk cannot reserve one, it stops one token short and
 finishes as a decode next step, where preemption can make room. The engine must stop a
@@ -115,12 +123,15 @@ class ScheduledSequence:
 
     ``samples`` is True when those tokens reach the end of ``seq.token_ids`` (prefill
     complete, or a decode), so the model samples the sequence's next token.
+    ``num_lookahead_tokens`` (decodes only) is how many speculative tokens may follow its
+    new one: their slots have blocks, and they count against the step's token budget.
     """
 
     seq: Sequence
     num_computed_tokens: int
     num_new_tokens: int
     samples: bool
+    num_lookahead_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -131,7 +142,8 @@ class ScheduledBatch:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(item.num_new_tokens for item in self.items)
+        """Tokens the step runs, speculative ones included."""
+        return sum(item.num_new_tokens + item.num_lookahead_tokens for item in self.items)
 
     @property
     def sampled_seq_ids(self) -> list[int]:
@@ -228,8 +240,13 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         return seq
 
-    def schedule(self) -> ScheduledBatch:
-        """Choose this step's work; see the module docstring for the order."""
+    def schedule(self, num_lookahead_tokens: Mapping[int, int] | None = None) -> ScheduledBatch:
+        """Choose this step's work; see the module docstring for the order.
+
+        ``num_lookahead_tokens`` maps a decoding sequence's id to the speculative tokens it
+        wants after its next one: it gets that many (or fewer) when the budget and the free
+        blocks allow, and otherwise decodes as usual (speculation never preempts)."""
+        lookahead = num_lookahead_tokens or {}
         if self._outstanding is not None:
             raise StepOrderError("schedule() called before the last batch was postprocessed")
         self._num_reserved_blocks = 0
@@ -241,6 +258,14 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             if seq.num_tokens - seq.num_computed_tokens != 1:
+                index += 1
+                continue
+            num_lookahead = min(lookahead.get(seq.seq_id, 0), budget - 1)
+            if num_lookahead > 0 and self._add_lookahead(seq, num_lookahead):
+                items.append(
+                    ScheduledSequence(seq, seq.num_computed_tokens, 1, True, num_lookahead)
+                )
+                budget -= 1 + num_lookahead
                 index += 1
                 continue
             if not (self._reserve_block(seq) or self._preempt_for(seq)):
@@ -281,13 +306,14 @@ class Scheduler:
     def postprocess(
         self,
         batch: ScheduledBatch,
-        sampled_token_ids: Mapping[int, int],
+        sampled_token_ids: Mapping[int, int | tuple[int, ...]],
         finished_seq_ids: Collection[int] = (),
     ) -> None:
         """Record that the model ran ``batch``.
 
-        ``sampled_token_ids`` maps the id of each sampling item's sequence to its new token
-        (aborted sequences may be left out); ``finished_seq_ids`` names those that end with
+        ``sampled_token_ids`` maps the id of each sampling item's sequence to its new token,
+        or to its new tokens (1 to ``1 + num_lookahead_tokens``: the accepted speculative
+        ones and one more), aborted sequences may be left out; ``finished_seq_ids`` names those that end with
         it (EOS, token limit). Each item's tokens count as computed; each new token is
         appended with its KV slot, except a finishing sequence's, whose KV is never needed:
         that sequence is freed, marked FINISHED and leaves ``running``. Raises
@@ -306,23 +332,43 @@ class Scheduler:
             raise ValueError(
                 f"finished {sorted(finished_seq_ids)} are not all sampled in this batch"
             )
+        new_tokens: dict[int, tuple[int, ...]] = {}
+        for item in batch.items:
+            token_ids = sampled_token_ids.get(item.seq.seq_id)
+            if token_ids is None:
+                continue
+            tokens = (token_ids,) if isinstance(token_ids, int) else tuple(token_ids)
+            if not 1 <= len(tokens) <= 1 + item.num_lookahead_tokens:
+                raise ValueError(
+                    f"sequence {item.seq.seq_id} sampled {len(tokens)} tokens, "
+                    f"its item allows 1 to {1 + item.num_lookahead_tokens}"
+                )
+            new_tokens[item.seq.seq_id] = tokens
         self._outstanding = None
         for item in batch.items:
             seq = item.seq
             if seq.status is SequenceStatus.FINISHED:
                 continue  # aborted while the model ran
-            seq.num_computed_tokens += item.num_new_tokens
             if not item.samples:
+                seq.num_computed_tokens += item.num_new_tokens
                 continue
-            seq.append_token(sampled_token_ids[seq.seq_id])
-            if seq.seq_id in finished_seq_ids:
+            tokens = new_tokens[seq.seq_id]
+            # The accepted speculative tokens' K/V was written by the verify; the last new
+            # token's is not.
+            seq.num_computed_tokens += item.num_new_tokens + len(tokens) - 1
+            finishes = seq.seq_id in finished_seq_ids
+            for number, token_id in enumerate(tokens, 1):
+                seq.append_token(token_id)
+                if not (finishes and number == len(tokens)):
+                    self.block_manager.append_slot(seq)  # reserved, or a lookahead block
+            if finishes:
                 self.block_manager.free(seq)  # every slotted token's KV is written
                 seq.num_computed_tokens = 0
                 seq.status = SequenceStatus.FINISHED
                 self.running.remove(seq)
                 del self._seqs[seq.seq_id]
-            else:
-                self.block_manager.append_slot(seq)  # its block was reserved in schedule()
+            elif seq.num_lookahead_blocks:
+                self.block_manager.free_lookahead(seq)  # the rejected tokens' slots
 
     # -- internals ----------------------------------------------------------------------
 
@@ -340,6 +386,15 @@ class Scheduler:
             return 0
         items.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new, samples))
         return num_new
+
+    def _add_lookahead(self, seq: Sequence, num_lookahead: int) -> bool:
+        """Give ``seq`` blocks for its next token and ``num_lookahead`` after it, from the
+        blocks no reservation holds; False (nothing taken) if too few are free."""
+        num_needed = self.block_manager.num_lookahead_blocks_needed(seq, num_lookahead + 1)
+        if self.block_manager.num_free_blocks - self._num_reserved_blocks < num_needed:
+            return False
+        self.block_manager.add_lookahead(seq, num_lookahead + 1)
+        return True
 
     def _reserve_block(self, seq: Sequence) -> bool:
         """Reserve the block ``seq``'s next token needs, if any; False if none is free."""

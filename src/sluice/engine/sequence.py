@@ -43,6 +43,9 @@ class Sequence:
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        # Trailing blocks of the table past ``num_blocks``, for speculative tokens' K/V.
+        self.num_lookahead_blocks = 0
+        self.num_allocations = 0  # block tables it was given (a preempted one gets another)
         self.status = SequenceStatus.WAITING
 
     def __repr__(self) -> str:

@@ -68,6 +68,7 @@ class CreateStreamBody(BaseModel):
         list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=16)
     ] = []
     ignore_eos: bool = False
+    speculative: bool = True  # false: never speculate for this request
     # The routing key of a model alias (sluice.rollout.assignment), as OpenAI's ``user``.
     user: Annotated[str, Field(max_length=256)] | None = None
 
@@ -252,6 +253,7 @@ def generation_request(body: CreateStreamBody) -> GenerationRequest:
         seed=body.seed,
         stop=tuple(body.stop),
         ignore_eos=body.ignore_eos,
+        speculative=body.speculative,
         routing_key=body.user or None,
     )
 

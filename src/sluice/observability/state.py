@@ -30,11 +30,26 @@ _ENGINE_GAUGES = {
     "waiting": "Sequences waiting for the engine",
     "kv_blocks": "KV-cache blocks in all",
     "kv_blocks_used": "KV-cache blocks held by sequences",
+    "spec_decode_acceptance_pct": "Drafted tokens the target accepted, in percent",
+    "spec_decode_k": "Tokens drafted per sequence in the last step (0: speculation off)",
 }
 _ENGINE_COUNTERS = {
     "prefix_hits": "Prompt blocks served from the prefix cache since the engine started",
     "preemptions": "Sequences preempted (recomputed later) since the engine started",
+    "spec_decode_drafts": "Sequence-steps that drafted tokens (speculative decoding)",
+    "spec_decode_draft_tokens": "Tokens drafted for the target to verify",
+    "spec_decode_accepted_tokens": "Drafted tokens the target accepted",
 }
+# Speculative decoding under vLLM's names (vllm/v1/spec_decode/metrics.py): stat -> help.
+_SPEC_DECODE_COUNTERS = {
+    "spec_decode_drafts": ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts"),
+    "spec_decode_draft_tokens": ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens"),
+    "spec_decode_accepted_tokens": (
+        "vllm:spec_decode_num_accepted_tokens",
+        "Number of accepted tokens",
+    ),
+}
+_ACCEPTED_PER_POS = "spec_decode_accepted_tokens_pos_"
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +109,15 @@ class StateCollector(Collector):
         preemptions = CounterMetricFamily(
             "vllm:num_preemptions", "Sequences preempted since the start", labels=VLLM_LABELS
         )
+        spec_counters = {
+            stat: CounterMetricFamily(name, doc, labels=VLLM_LABELS)
+            for stat, (name, doc) in _SPEC_DECODE_COUNTERS.items()
+        }
+        accepted_per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft's positions",
+            labels=(*VLLM_LABELS, "position"),
+        )
         for model, state in states.items():
             labels = [model, self._versions.get(model, "")]
             stats = state.engine
@@ -116,6 +140,14 @@ class StateCollector(Collector):
                 gpu_usage.add_metric(labels, fraction)
             if "preemptions" in stats:
                 preemptions.add_metric(labels, stats["preemptions"])
+            for stat, counter in spec_counters.items():
+                if stat in stats:
+                    counter.add_metric(labels, stats[stat])
+            for stat, value in stats.items():
+                if stat.startswith(_ACCEPTED_PER_POS):
+                    # vLLM numbers positions from 0.
+                    position = int(stat.removeprefix(_ACCEPTED_PER_POS)) - 1
+                    accepted_per_pos.add_metric([*labels, str(position)], value)
         return [
             *engine_gauges.values(),
             *engine_counters.values(),
@@ -124,4 +156,6 @@ class StateCollector(Collector):
             kv_usage,
             gpu_usage,
             preemptions,
+            *spec_counters.values(),
+            accepted_per_pos,
         ]

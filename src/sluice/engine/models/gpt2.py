@@ -218,7 +218,8 @@ class GPT2LMHeadModel(nn.Module):
         seqs: Sequence[StepSequence],
         kv_cache: KVCache,
     ) -> torch.Tensor:
-        """Logits ``[num_seqs, vocab_size]`` for the last new token of each sequence.
+        """Logits ``[sum of num_logits, vocab_size]``: of the last new token of each sequence
+        (its last ``num_logits``, for a speculative verify), in order.
 
         ``input_ids`` and ``positions`` are 1-D and packed: the ``seqs`` take consecutive
         slices in order and cover every token. ``positions[seq.start : seq.end]`` must be

@@ -41,6 +41,7 @@ class StepSequence:
     num_new_tokens: int
     context_len: int
     block_table: Sequence[int]
+    num_logits: int = 1  # logits of its last ``num_logits`` new tokens (a verify: k + 1)
 
     def __post_init__(self) -> None:
         if self.start < 0:
@@ -50,6 +51,11 @@ class StepSequence:
         if self.context_len < self.num_new_tokens:
             raise StepError(
                 f"context_len {self.context_len} < num_new_tokens {self.num_new_tokens}"
+            )
+        if not 1 <= self.num_logits <= self.num_new_tokens:
+            raise StepError(
+                f"num_logits must be in [1, num_new_tokens={self.num_new_tokens}], "
+                f"got {self.num_logits}"
             )
 
     @property
@@ -127,8 +133,12 @@ def packed_slots(
 
 
 def last_token_indices(seqs: Sequence[StepSequence], device: torch.device) -> torch.Tensor:
-    """The packed index of each sequence's last new token (where its logits come from)."""
-    return torch.tensor([seq.end - 1 for seq in seqs], device=device)
+    """The packed index of each sequence's last ``num_logits`` new tokens (where its logits
+    come from), in order: one per sequence, except for speculative verifies."""
+    if all(seq.num_logits == 1 for seq in seqs):
+        return torch.tensor([seq.end - 1 for seq in seqs], device=device)
+    indices = [i for seq in seqs for i in range(seq.end - seq.num_logits, seq.end)]
+    return torch.tensor(indices, device=device)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,147 @@
+"""The acceptance rule of speculative decoding: which drafted tokens the target keeps (torch).
+
+A draft proposes tokens ``x_1 .. x_k`` after a sequence's last token; the target scores
+them in one pass and so has its distribution ``p_i`` at each of the ``k + 1`` positions
+(``p_1`` before ``x_1`` .. ``p_{k+1}`` after ``x_k``). The rule keeps the longest accepted
+prefix and adds one more token, so a step yields between 1 and ``k + 1`` tokens:
+
+- **greedy**: ``x_i`` is accepted while it is the target's argmax at its position; the
+  first that is not is replaced by that argmax (the correction), and when all ``k`` are
+  accepted the argmax after ``x_k`` is the bonus token. The output is token for token what
+  the target alone would produce.
+- **sampled** (Leviathan et al. 2023, Chen et al. 2023): ``x_i`` drawn from the draft's
+  ``q_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``; the first rejected
+  is replaced by a draw from ``norm(max(0, p_i - q_i))``; all accepted, the bonus is drawn
+  from ``p_{k+1}``. Each emitted token is then distributed exactly as ``p_i``, whatever
+  ``q_i`` is. A deterministic proposal (prompt lookup) is the case ``q_i = onehot(x_i)``:
+  accepted with probability ``p_i(x_i)``, else resampled from ``p_i`` without ``x_i``.
+
+``p`` and ``q`` are the distributions AFTER temperature, top-k and top-p
+(:func:`~sluice.engine.sampler.filter_logits`), the same for both: those are what the
+target samples from without speculation.
+
+Nothing here knows of sequences or caches: tensors and token ids in, token ids out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sluice.engine.sampler import NonFiniteLogitsError, filter_logits
+from sluice.engine.sampling_params import SamplingParams
+
+__all__ = ["accept", "accept_greedy", "accept_sampled", "rejection_sample"]
+
+
+def accept_greedy(draft_token_ids: Sequence[int], target_token_ids: Sequence[int]) -> list[int]:
+    """The tokens a greedy step emits: ``target_token_ids`` holds the target's argmax at each
+    of the ``len(draft_token_ids) + 1`` positions. Raises :class:`ValueError` otherwise."""
+    if len(target_token_ids) != len(draft_token_ids) + 1:
+        raise ValueError(
+            f"{len(draft_token_ids)} draft tokens need {len(draft_token_ids) + 1} target "
+            f"tokens, got {len(target_token_ids)}"
+        )
+    emitted: list[int] = []
+    for draft, target in zip(draft_token_ids, target_token_ids, strict=False):
+        emitted.append(target)
+        if draft != target:
+            return emitted
+    emitted.append(target_token_ids[-1])
+    return emitted
+
+
+def rejection_sample(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    draft_token_ids: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule at ``n`` independent positions at once: ``target_probs`` ``[n, vocab]``,
+    ``draft_probs`` ``[n, vocab]`` (None: each draft token was proposed with certainty),
+    ``draft_token_ids`` ``[n]``.
+
+    Returns ``(accepted, token_ids)``, both ``[n]``: whether each draft token is accepted,
+    and the token emitted there (the draft token, or the replacement drawn from the
+    residual ``norm(max(0, p - q))``). The draws come from ``generator`` (the global one
+    when None).
+    """
+    if target_probs.dim() != 2 or draft_token_ids.shape != target_probs.shape[:1]:
+        raise ValueError("target_probs must be [n, vocab] and draft_token_ids [n]")
+    if draft_probs is not None and draft_probs.shape != target_probs.shape:
+        raise ValueError("draft_probs must have the shape of target_probs")
+    p = target_probs.float()
+    rows = torch.arange(p.shape[0], device=p.device)
+    p_draft = p[rows, draft_token_ids]
+    if draft_probs is None:
+        q = torch.zeros_like(p)
+        q[rows, draft_token_ids] = 1.0
+    else:
+        q = draft_probs.float()
+    q_draft = q[rows, draft_token_ids]
+    uniform = torch.rand(p.shape[0], generator=generator, device=p.device)
+    # u < p/q without dividing: q(x) > 0 as the draft drew x from q.
+    accepted = uniform * q_draft < p_draft
+    residual = (p - q).clamp_min(0.0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    # No residual mass means p <= q everywhere, so p == q and x is always accepted; the
+    # fallback to p only keeps the draw well-defined where float rounding rejected anyway.
+    residual = torch.where(mass > 0, residual, p)
+    replacement = torch.multinomial(residual, 1, generator=generator)[:, 0]
+    return accepted, torch.where(accepted, draft_token_ids, replacement)
+
+
+def accept_sampled(
+    draft_token_ids: Sequence[int],
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """The tokens a sampled step emits: ``target_probs`` ``[k + 1, vocab]`` is ``p_1 ..
+    p_{k+1}``, ``draft_probs`` ``[k, vocab]`` is ``q_1 .. q_k`` (None for a deterministic
+    proposal). The residual at a position is drawn whether or not it is used: a later
+    position's draw is independent of an earlier one, so the result is the sequential rule's.
+    """
+    num_draft = len(draft_token_ids)
+    if target_probs.dim() != 2 or target_probs.shape[0] != num_draft + 1:
+        raise ValueError(f"{num_draft} draft tokens need target_probs of {num_draft + 1} rows")
+    emitted: list[int] = []
+    if num_draft:
+        drafts = torch.tensor(list(draft_token_ids), device=target_probs.device)
+        accepted, tokens = rejection_sample(
+            target_probs[:num_draft], draft_probs, drafts, generator
+        )
+        for is_accepted, token in zip(accepted.tolist(), tokens.tolist(), strict=True):
+            emitted.append(token)
+            if not is_accepted:
+                return emitted
+    bonus = torch.multinomial(target_probs[num_draft].float(), 1, generator=generator)
+    emitted.append(int(bonus))
+    return emitted
+
+
+def accept(
+    logits: torch.Tensor,
+    draft_token_ids: Sequence[int],
+    draft_probs: torch.Tensor | None,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], list[float]]:
+    """One sequence's verify: the target's ``[k + 1, vocab]`` logits after its last token
+    and each draft token; the emitted tokens (1 to ``k + 1``) and each one's logprob under
+    the target's unfiltered distribution. ``params`` filters ``p`` as the sampler would.
+    Raises :class:`~sluice.engine.sampler.NonFiniteLogitsError` for a broken row."""
+    rows = logits.float()
+    if not bool(torch.isfinite(rows.max(dim=-1).values).all()):
+        raise NonFiniteLogitsError()
+    if params.greedy:
+        tokens = accept_greedy(draft_token_ids, rows.argmax(dim=-1).tolist())
+    else:
+        target_probs = torch.stack(
+            [torch.softmax(filter_logits(row, params), dim=-1) for row in rows]
+        ).cpu()
+        tokens = accept_sampled(draft_token_ids, target_probs, draft_probs, generator)
+    log_probs = torch.log_softmax(rows[: len(tokens)], dim=-1)
+    index = torch.tensor(tokens, device=log_probs.device)[:, None]
+    return tokens, log_probs.gather(1, index)[:, 0].tolist()

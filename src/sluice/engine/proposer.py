@@ -1,0 +1,182 @@
+"""Who drafts the speculative tokens: prompt lookup, or a small draft model (torch).
+
+A proposer is asked, after the scheduler gave each speculating sequence lookahead slots,
+for up to ``num_tokens`` tokens per sequence, and answers with a :class:`Draft`: the tokens
+and, when they were sampled, the draft's distributions ``q`` at each (the acceptance rule
+needs them; a greedy or deterministic draft has none).
+
+The draft model shares the target's block tables: its own KV cache has the same blocks and
+slots, so a sequence's blocks hold both models' K/V and freeing them (finish, abort,
+preemption) frees both. The draft computes its K/V only when asked to draft, catching up on
+the tokens it has not seen (the prompt, the tokens of steps that did not speculate, the
+tokens that replaced its rejected drafts) in one chunk before drafting. It remembers, per
+sequence, how far its K/V is valid, and starts over when the sequence got new blocks
+(preempted and re-admitted: ``Sequence.num_allocations`` changed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Sequence_
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from sluice.engine.model_runner import ModelRunner, ModelSlice, PagedModel
+from sluice.engine.sampler import filter_logits
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.sequence import Sequence
+from sluice.engine.speculative import propose_ngram
+
+__all__ = ["Draft", "DraftModelProposer", "DraftRequest", "NgramProposer", "Proposer"]
+
+
+@dataclass(frozen=True, slots=True)
+class DraftRequest:
+    """One sequence to draft for: at most ``num_tokens`` tokens after its last."""
+
+    seq: Sequence
+    num_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Draft:
+    """Drafted tokens and, when sampled from the draft model, its ``[k, vocab]`` ``q``."""
+
+    token_ids: tuple[int, ...]
+    probs: torch.Tensor | None = None
+
+
+class Proposer(Protocol):
+    """Drafts tokens for the speculating sequences of a step."""
+
+    def propose(self, requests: Sequence_[DraftRequest]) -> dict[int, Draft]: ...
+
+    def forget(self, seq_id: int) -> None: ...
+
+    @property
+    def num_caught_up(self) -> int:
+        """Tokens the last :meth:`propose` ran beyond one a sequence to catch up (a draft
+        model's K/V of tokens it had not seen); 0 for a proposer without a model."""
+        ...
+
+
+class NgramProposer:
+    """Prompt-lookup drafting (:func:`~sluice.engine.speculative.propose_ngram`)."""
+
+    def __init__(self, *, ngram_min: int = 1, ngram_max: int = 4) -> None:
+        self._ngram_min = ngram_min
+        self._ngram_max = ngram_max
+
+    def propose(self, requests: Sequence_[DraftRequest]) -> dict[int, Draft]:
+        drafts: dict[int, Draft] = {}
+        for request in requests:
+            tokens = propose_ngram(
+                request.seq.token_ids,
+                request.num_tokens,
+                ngram_min=self._ngram_min,
+                ngram_max=self._ngram_max,
+            )
+            if tokens:
+                drafts[request.seq.seq_id] = Draft(tuple(tokens))
+        return drafts
+
+    def forget(self, seq_id: int) -> None:
+        """Nothing is kept per sequence."""
+
+    @property
+    def num_caught_up(self) -> int:
+        return 0
+
+
+@dataclass(slots=True)
+class _DraftState:
+    num_allocations: int
+    num_valid: int  # leading tokens whose draft K/V is in the cache
+    start: int = 0  # position of the first pending draft
+    pending: tuple[int, ...] = ()  # drafts whose K/V the draft wrote, from ``start``
+
+
+class DraftModelProposer:
+    """Drafts with a small model of the target's vocabulary over its own paged cache."""
+
+    def __init__(self, model: PagedModel, *, num_blocks: int, block_size: int) -> None:
+        self.runner = ModelRunner(model, model.make_kv_cache(num_blocks, block_size))
+        self.vocab_size = model.config.vocab_size
+        self.n_positions = model.config.n_positions
+        self._states: dict[int, _DraftState] = {}
+        self._num_caught_up = 0
+
+    @property
+    def num_caught_up(self) -> int:
+        return self._num_caught_up
+
+    def forget(self, seq_id: int) -> None:
+        self._states.pop(seq_id, None)
+
+    def propose(self, requests: Sequence_[DraftRequest]) -> dict[int, Draft]:
+        if not requests:
+            self._num_caught_up = 0
+            return {}
+        slices = [self._catch_up(request) for request in requests]
+        self._num_caught_up = sum(len(s.token_ids) - 1 for s in slices)
+        tokens: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        active = list(range(len(requests)))
+        logits = self.runner.forward(slices)
+        for round_ in range(max(request.num_tokens for request in requests)):
+            if round_:
+                active = [i for i in active if requests[i].num_tokens > round_]
+                logits = self.runner.forward(
+                    [
+                        ModelSlice(
+                            [tokens[i][-1]],
+                            requests[i].seq.num_tokens + round_ - 1,
+                            requests[i].seq.block_table,
+                        )
+                        for i in active
+                    ]
+                )
+            for row, i in enumerate(active):
+                token, q = self._draw(logits[row], requests[i])
+                tokens[i].append(token)
+                if q is not None:
+                    probs[i].append(q)
+        drafts: dict[int, Draft] = {}
+        for i, request in enumerate(requests):
+            seq = request.seq
+            state = self._states[seq.seq_id]
+            # K/V was written for every draft but the last.
+            state.start, state.pending = seq.num_tokens, tuple(tokens[i][:-1])
+            drafts[seq.seq_id] = Draft(
+                tuple(tokens[i]), torch.stack(probs[i]) if probs[i] else None
+            )
+        return drafts
+
+    def _catch_up(self, request: DraftRequest) -> ModelSlice:
+        """The slice that brings the draft's K/V up to the sequence's last token."""
+        seq = request.seq
+        state = self._states.get(seq.seq_id)
+        if state is None or state.num_allocations != seq.num_allocations:
+            state = _DraftState(seq.num_allocations, 0)
+            self._states[seq.seq_id] = state
+        elif state.pending:
+            matched = 0
+            for draft, actual in zip(state.pending, seq.token_ids[state.start :], strict=False):
+                if draft != actual:
+                    break
+                matched += 1
+            state.num_valid = max(state.num_valid, state.start + matched)
+            state.pending = ()
+        start = min(state.num_valid, seq.num_tokens - 1)
+        state.num_valid = seq.num_tokens
+        return ModelSlice(seq.token_ids[start:], start, seq.block_table)
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, request: DraftRequest) -> tuple[int, torch.Tensor | None]:
+        if request.params.greedy:
+            return int(torch.argmax(logits)), None
+        q = torch.softmax(filter_logits(logits, request.params), dim=-1).cpu()
+        return int(torch.multinomial(q, 1, generator=request.generator)), q

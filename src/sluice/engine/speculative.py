@@ -1,0 +1,283 @@
+"""Speculative decoding's plan: its configuration, prompt-lookup drafting, the choice of ``k``
+per step and its counters. Pure Python (no torch): tested on the CPU.
+
+Per step a proposer drafts up to ``k`` tokens after each decoding sequence's last one, the
+target scores them all in one pass (:meth:`~sluice.engine.model_runner.ModelRunner.verify`)
+and :mod:`~sluice.engine.acceptance` keeps what the target would have produced itself.
+
+**Prompt lookup** (n-gram drafting, for any model): the longest suffix of the sequence (up
+to ``ngram_max`` tokens, at least ``ngram_min``) that occurred before, most recent
+occurrence first; the draft is what followed that occurrence.
+
+**Adaptive k** (:class:`AdaptiveK`). Speculation pays when a step's cost grows slower than
+its expected output: with ``a_i`` the measured rate at which draft position ``i`` is
+accepted after positions ``1 .. i - 1`` were, a step of ``k`` yields ``E(k) = 1 + a_1 +
+a_1 a_2 + ...`` tokens per sequence, and costs ``cost(b, k)`` seconds at ``b`` decoding
+sequences (measured online, per power-of-two bucket of ``b``, on steps that ran decodes
+only: the fastest of the last 8). Each step takes the ``k`` (0: off) of the highest ``E(k) / cost(b, k)``. A bucket
+climbs: ``k + 1`` is first tried when ``k`` scores best so far, so a large batch where
+speculation costs more than it yields stays near 0; a larger ``k`` must score 5% better
+than a smaller one. ``explore_every`` steps after the best last changed, the less recently
+measured neighbour of the best is tried again (then ever less often while the best holds,
+up to 16 times further apart), so a change of load or acceptance is seen.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "AdaptiveK",
+    "SpecDecodeStats",
+    "SpeculativeConfig",
+    "propose_ngram",
+]
+
+SpeculativeMethod = Literal["draft", "ngram"]
+
+# The weight of a new sample in the running acceptance rates.
+_SAMPLE_WEIGHT = 0.1
+# Step costs kept per bucket and k (their minimum is the estimate, see _Cost).
+_NUM_RECENT_COSTS = 8
+# Steps of a bucket at one k before its cost counts as measured.
+_MIN_COST_SAMPLES = 3
+# A larger k must score this much better than a smaller one: step costs are noisy, and the
+# smaller k is the cheaper mistake.
+_MARGIN = 1.05
+# Re-exploring a bucket whose best held is done ever less often, up to this many times
+# ``explore_every`` apart: after a long run without drafts, a draft model's first verify
+# catches up on every token since, which is what an exploration step then costs.
+_MAX_EXPLORE_BACKOFF = 16
+# Neighbours this much behind the best are re-explored at the longest interval at once.
+_CLEAR_LOSS = 1.25
+# A draft position's acceptance rate before any verify: the draft is worth trying.
+_PRIOR_ACCEPTANCE = 0.6
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How the engine speculates; :class:`ValueError` for values that cannot hold.
+
+    ``method`` is ``"draft"`` (a draft model, given to the engine) or ``"ngram"`` (prompt
+    lookup). ``num_speculative_tokens`` is the most tokens drafted per sequence and step.
+    ``adaptive`` chooses ``k`` per step (:class:`AdaptiveK`); without it every step drafts
+    ``num_speculative_tokens``.
+    """
+
+    method: SpeculativeMethod
+    num_speculative_tokens: int
+    ngram_min: int = 1
+    ngram_max: int = 4
+    adaptive: bool = True
+    explore_every: int = 64
+
+    def __post_init__(self) -> None:
+        if self.method not in ("draft", "ngram"):
+            raise ValueError(f"method must be 'draft' or 'ngram', got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}"
+            )
+        if self.explore_every < 2:
+            raise ValueError(f"explore_every must be at least 2, got {self.explore_every}")
+
+
+def propose_ngram(
+    token_ids: Sequence[int], num_tokens: int, *, ngram_min: int = 1, ngram_max: int = 4
+) -> list[int]:
+    """Up to ``num_tokens`` tokens that followed the latest earlier occurrence of the longest
+    suffix of ``token_ids`` of ``ngram_min .. ngram_max`` tokens; [] when none recurs."""
+    length = len(token_ids)
+    if num_tokens < 1:
+        return []
+    for n in range(min(ngram_max, length - 1), ngram_min - 1, -1):
+        suffix = list(token_ids[length - n :])
+        first = suffix[0]
+        # The latest start before the suffix itself, scanning back.
+        for start in range(length - n - 1, -1, -1):
+            if token_ids[start] == first and list(token_ids[start : start + n]) == suffix:
+                follow = list(token_ids[start + n : start + n + num_tokens])
+                if follow:
+                    return follow
+    return []
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters since the engine was made (vLLM's ``spec_decode`` metrics).
+
+    ``num_drafts`` counts sequence-steps that drafted at least one token;
+    ``num_draft_tokens`` the tokens drafted; ``num_accepted_tokens`` those the target
+    kept; ``num_accepted_tokens_per_pos[i]`` / ``num_draft_tokens_per_pos[i]`` is the
+    acceptance rate of draft position ``i + 1``. ``num_emitted_tokens`` counts every token
+    the speculative steps produced (accepted plus corrections and bonuses).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+    num_draft_tokens_per_pos: list[int] = field(default_factory=list)
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    last_k: int = 0  # the k of the last step
+
+    def __post_init__(self) -> None:
+        if not self.num_draft_tokens_per_pos:
+            self.num_draft_tokens_per_pos = [0] * self.num_speculative_tokens
+            self.num_accepted_tokens_per_pos = [0] * self.num_speculative_tokens
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def acceptance_rate_per_pos(self) -> list[float]:
+        return [
+            accepted / drafted if drafted else 0.0
+            for accepted, drafted in zip(
+                self.num_accepted_tokens_per_pos, self.num_draft_tokens_per_pos, strict=True
+            )
+        ]
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        """One sequence's verify: ``num_drafted`` tokens drafted, the first ``num_accepted``
+        kept (then one more emitted)."""
+        if num_drafted == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        self.num_emitted_tokens += num_accepted + 1
+        for position in range(num_drafted):
+            self.num_draft_tokens_per_pos[position] += 1
+            if position < num_accepted:
+                self.num_accepted_tokens_per_pos[position] += 1
+
+    def snapshot(self) -> SpecDecodeStats:
+        return SpecDecodeStats(
+            self.method,
+            self.num_speculative_tokens,
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            self.num_emitted_tokens,
+            list(self.num_draft_tokens_per_pos),
+            list(self.num_accepted_tokens_per_pos),
+            self.last_k,
+        )
+
+
+@dataclass(slots=True)
+class _Cost:
+    """The last few steady step costs at one bucket and ``k``. Their minimum is the
+    estimate: other work on the machine only ever adds time to a step, so the fastest
+    recent step is the closest to what the step itself costs, and two ``k`` measured at
+    different moments compare fairly."""
+
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=_NUM_RECENT_COSTS))
+    num_samples: int = 0
+    last_step: int = 0  # the bucket's step count when it was last measured
+
+    @property
+    def seconds(self) -> float:
+        return min(self.recent)
+
+
+class AdaptiveK:
+    """Chooses each step's ``k`` from measured acceptance and step costs (module docstring).
+
+    The engine calls :meth:`choose` before a step of ``num_decodes`` decoding sequences and
+    :meth:`observe` after it; :meth:`accepted` for each sequence's verify.
+    """
+
+    def __init__(self, max_k: int, *, explore_every: int = 64) -> None:
+        if max_k < 1:
+            raise ValueError(f"max_k must be at least 1, got {max_k}")
+        self.max_k = max_k
+        self._explore_every = explore_every
+        self.acceptance = [_PRIOR_ACCEPTANCE] * max_k  # of position i after 1 .. i - 1
+        self._costs: dict[tuple[int, int], _Cost] = {}
+        self._num_steps: dict[int, int] = {}
+        self._next_explore: dict[int, int] = {}  # per bucket, the step to explore at
+        self._backoff: dict[int, int] = {}  # per bucket, explore_every's multiple now
+        self._last_best: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(num_decodes: int) -> int:
+        """The power of two at or above ``num_decodes``: the steps whose costs are pooled."""
+        return 1 << max(0, num_decodes - 1).bit_length()
+
+    def expected_tokens(self, k: int) -> float:
+        """``E(k)``: tokens per sequence a step of ``k`` drafts yields."""
+        total, chain = 1.0, 1.0
+        for rate in self.acceptance[:k]:
+            chain *= rate
+            total += chain
+        return total
+
+    def choose(self, num_decodes: int) -> int:
+        """This step's ``k`` for ``num_decodes`` decoding sequences (0: do not speculate)."""
+        if num_decodes == 0:
+            return 0
+        bucket = self.bucket(num_decodes)
+        scores: dict[int, float] = {}
+        for k in range(self.max_k + 1):
+            cost = self._costs.get((bucket, k))
+            if cost is None or cost.num_samples < _MIN_COST_SAMPLES:
+                # Climb: a k is first tried when the one below it scores best so far.
+                if k == 0 or max(scores, key=scores.__getitem__) == k - 1:
+                    return k
+                continue
+            scores[k] = self.expected_tokens(k) / max(cost.seconds, 1e-12)
+        best = min(scores)
+        for k in sorted(scores):
+            if scores[k] > scores[best] * _MARGIN:
+                best = k
+        step = self._num_steps.get(bucket, 0)
+        if self._last_best.get(bucket) != best:  # the best moved: explore at the base rate
+            self._last_best[bucket] = best
+            self._backoff[bucket] = 1
+            self._next_explore[bucket] = step + self._explore_every
+        elif step >= self._next_explore.get(bucket, 0):
+            neighbours = [k for k in (best - 1, best + 1) if k in scores]
+            backoff = 2 * self._backoff.get(bucket, 1)
+            if all(scores[k] * _CLEAR_LOSS < scores[best] for k in neighbours):
+                backoff = _MAX_EXPLORE_BACKOFF  # far behind: not worth a look soon
+            self._backoff[bucket] = min(_MAX_EXPLORE_BACKOFF, backoff)
+            self._next_explore[bucket] = step + self._explore_every * self._backoff[bucket]
+            if neighbours:
+                return min(neighbours, key=lambda k: self._costs[bucket, k].last_step)
+        return best
+
+    def observe(self, num_decodes: int, k: int, duration_s: float, *, steady: bool = True) -> None:
+        """A step of ``num_decodes`` decodes (and no prefill) at ``k`` took ``duration_s``;
+        one that is not ``steady`` (it did a one-off catch-up) counts as a step only."""
+        if num_decodes == 0 or not 0 <= k <= self.max_k:
+            return
+        bucket = self.bucket(num_decodes)
+        step = self._num_steps.get(bucket, 0) + 1
+        self._num_steps[bucket] = step
+        if not steady:
+            return
+        cost = self._costs.setdefault((bucket, k), _Cost())
+        # Costs per sequence: a bucket pools batches of up to twice each other's size.
+        seconds = duration_s / num_decodes * bucket
+        cost.recent.append(seconds)
+        cost.num_samples += 1
+        cost.last_step = step
+
+    def accepted(self, num_drafted: int, num_accepted: int) -> None:
+        """One sequence's verify: positions ``1 .. num_accepted`` kept, the next rejected."""
+        for position in range(min(num_drafted, num_accepted + 1, self.max_k)):
+            sample = 1.0 if position < num_accepted else 0.0
+            rate = self.acceptance[position]
+            self.acceptance[position] = rate + _SAMPLE_WEIGHT * (sample - rate)

@@ -1,0 +1,147 @@
+"""Speculative decoding for one engine: each step's ``k``, the drafts, their verify, the counts.
+
+The engine asks :meth:`Speculator.plan` which decoding sequences speculate how far (the
+step's ``k``, from :class:`~sluice.engine.speculative.AdaptiveK` or fixed, cut to each
+request's ``max_tokens`` and the context limit), passes that to the scheduler as lookahead,
+asks :meth:`Speculator.propose` for the drafts of the items that got lookahead slots, runs
+the target's verify, and hands each verified row to :meth:`Speculator.verify`, which applies
+the acceptance rule (:func:`~sluice.engine.acceptance.accept`) and counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Sequence_
+
+import torch
+
+from sluice.engine.acceptance import accept
+from sluice.engine.model_runner import PagedModel
+from sluice.engine.proposer import (
+    Draft,
+    DraftModelProposer,
+    DraftRequest,
+    NgramProposer,
+    Proposer,
+)
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.sequence import Sequence
+from sluice.engine.speculative import AdaptiveK, SpecDecodeStats, SpeculativeConfig
+
+__all__ = ["Speculator"]
+
+
+class Speculator:
+    """Plans, drafts and verifies; keeps :class:`SpecDecodeStats` in ``stats``."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.adaptive_k = (
+            AdaptiveK(config.num_speculative_tokens, explore_every=config.explore_every)
+            if config.adaptive
+            else None
+        )
+        self.stats = SpecDecodeStats(config.method, config.num_speculative_tokens)
+        self._num_caught_up = 0  # of the step in progress
+
+    @classmethod
+    def build(
+        cls,
+        config: SpeculativeConfig,
+        draft_model: PagedModel | None,
+        target: PagedModel,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+    ) -> Speculator:
+        """The speculator ``config`` asks for; :class:`ValueError` for a draft model that is
+        missing, not wanted, or does not fit the target (vocabulary, positions)."""
+        if config.method == "ngram":
+            if draft_model is not None:
+                raise ValueError("the 'ngram' method takes no draft model")
+            return cls(
+                config, NgramProposer(ngram_min=config.ngram_min, ngram_max=config.ngram_max)
+            )
+        if draft_model is None:
+            raise ValueError("the 'draft' method needs a draft model")
+        if draft_model.config.vocab_size != target.config.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({draft_model.config.vocab_size}) is not the "
+                f"target's ({target.config.vocab_size})"
+            )
+        if draft_model.config.n_positions < max_model_len:
+            raise ValueError(
+                f"the draft model has {draft_model.config.n_positions} positions, "
+                f"max_model_len is {max_model_len}"
+            )
+        return cls(
+            config, DraftModelProposer(draft_model, num_blocks=num_blocks, block_size=block_size)
+        )
+
+    def plan(
+        self, decodes: Sequence_[tuple[Sequence, SamplingParams]], max_model_len: int
+    ) -> tuple[dict[int, int], int]:
+        """The lookahead each decoding sequence asks for this step, and the step's ``k``:
+        room for ``k`` drafts and one more token within ``max_tokens`` and the context."""
+        if self.adaptive_k is not None:
+            k = self.adaptive_k.choose(len(decodes))
+        else:
+            k = self.config.num_speculative_tokens
+        self.stats.last_k = k
+        plan: dict[int, int] = {}
+        if k == 0:
+            return plan, k
+        for seq, params in decodes:
+            if not params.speculative:
+                continue
+            room = (
+                min(params.max_tokens - seq.num_completion_tokens, max_model_len - seq.num_tokens)
+                - 1
+            )
+            if min(k, room) > 0:
+                plan[seq.seq_id] = min(k, room)
+        return plan, k
+
+    def propose(self, requests: Sequence_[DraftRequest]) -> dict[int, Draft]:
+        """The drafts of ``requests``. One that got lookahead but no draft (prompt lookup
+        found no match) counts as a rejection at position 1: adaptive k weighs what a
+        step of k is likely to yield, and a missing draft yields nothing."""
+        if not requests:
+            self._num_caught_up = 0
+            return {}
+        drafts = self.proposer.propose(requests)
+        self._num_caught_up = self.proposer.num_caught_up
+        if self.adaptive_k is not None:
+            for _ in range(len(requests) - len(drafts)):
+                self.adaptive_k.accepted(1, 0)
+        return drafts
+
+    def verify(
+        self,
+        logits: torch.Tensor,
+        draft: Draft,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> tuple[list[int], list[float]]:
+        """One sequence's emitted tokens and logprobs; raises for a row that cannot be
+        sampled (:class:`~sluice.engine.sampler.NonFiniteLogitsError`)."""
+        tokens, logprobs = accept(logits, draft.token_ids, draft.probs, params, generator)
+        num_accepted = len(tokens) - 1
+        self.stats.record(len(draft.token_ids), num_accepted)
+        if self.adaptive_k is not None:
+            self.adaptive_k.accepted(len(draft.token_ids), num_accepted)
+        return tokens, logprobs
+
+    def observe(self, num_decodes: int, num_prefill_tokens: int, k: int, duration_s: float) -> None:
+        """The step ran: its cost counts towards ``k`` when it ran decodes alone and its
+        draft model did not catch up on more than a token a sequence (a catch-up after
+        steps without drafts costs once, not every step at that ``k``)."""
+        if self.adaptive_k is None or num_prefill_tokens:
+            return
+        steady = self._num_caught_up <= num_decodes
+        self._num_caught_up = 0
+        self.adaptive_k.observe(num_decodes, k, duration_s, steady=steady)
+
+    def forget(self, seq_id: int) -> None:
+        self.proposer.forget(seq_id)

@@ -1,0 +1,124 @@
+"""The acceptance rule of speculative decoding: greedy keeps the target's argmax exactly, and
+the sampled rule's output is distributed as the target's own ``p`` (a chi-square test on
+200,000 draws that rejects a deliberately broken rule)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sluice.engine.acceptance import accept_greedy, accept_sampled, rejection_sample
+from sluice.engine.sampler import filter_logits
+from sluice.engine.sampling_params import SamplingParams
+
+NUM_DRAWS = 200_000
+VOCAB = 24
+# The test rejects a correct rule once in a thousand runs at random; its draws are seeded,
+# so a pass is reproducible, and the broken rule's p-value is far below it (< 1e-100).
+SIGNIFICANCE = 1e-3
+
+FILTERS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.8),
+    SamplingParams(temperature=1.3, top_k=9),
+    SamplingParams(temperature=0.7, top_p=0.8),
+    SamplingParams(temperature=0.8, top_k=12, top_p=0.9),
+]
+
+
+def test_greedy_keeps_the_accepted_prefix_and_adds_the_correction() -> None:
+    assert accept_greedy([5, 6, 7], [5, 6, 9, 1]) == [5, 6, 9]
+    assert accept_greedy([5, 6, 7], [4, 6, 7, 1]) == [4]
+
+
+def test_greedy_all_accepted_adds_the_bonus_token() -> None:
+    assert accept_greedy([5, 6], [5, 6, 8]) == [5, 6, 8]
+    assert accept_greedy([], [3]) == [3]
+
+
+def test_greedy_rejects_a_target_row_count_that_does_not_fit() -> None:
+    with pytest.raises(ValueError, match="need 3 target"):
+        accept_greedy([1, 2], [1, 2])
+
+
+def distributions(params: SamplingParams, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed random target ``p`` and draft ``q``, each filtered as ``params`` says."""
+    generator = torch.Generator().manual_seed(seed)
+    target_logits = torch.randn(VOCAB, generator=generator) * 2
+    draft_logits = target_logits + torch.randn(VOCAB, generator=generator) * 2
+    p = torch.softmax(filter_logits(target_logits, params), dim=-1)
+    q = torch.softmax(filter_logits(draft_logits, params), dim=-1)
+    return p, q
+
+
+def chi_square_p_value(tokens: torch.Tensor, p: torch.Tensor) -> float:
+    """The p-value of the counts of ``tokens`` against the distribution ``p``; a token that
+    ``p`` gives no mass fails outright (its p-value is 0)."""
+    counts = torch.bincount(tokens, minlength=VOCAB).double()
+    support = p > 0
+    if counts[~support].sum() > 0:
+        return 0.0
+    expected = p.double()[support] * tokens.numel()
+    statistic = ((counts[support] - expected) ** 2 / expected).sum()
+    dof = torch.tensor(float(int(support.sum()) - 1), dtype=torch.float64)
+    return float(torch.special.gammaincc(dof / 2, statistic / 2))
+
+
+def draw(
+    p: torch.Tensor, q: torch.Tensor | None, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``NUM_DRAWS`` draft tokens from ``q`` (the most likely under ``q`` when None, a
+    deterministic proposal), the rule's acceptances and emitted tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    if q is None:
+        drafts = torch.full((NUM_DRAWS,), int(torch.argmax(p)))
+        draft_probs = None
+    else:
+        drafts = torch.multinomial(q, NUM_DRAWS, replacement=True, generator=generator)
+        draft_probs = q.expand(NUM_DRAWS, VOCAB)
+    accepted, tokens = rejection_sample(p.expand(NUM_DRAWS, VOCAB), draft_probs, drafts, generator)
+    return drafts, accepted, tokens
+
+
+@pytest.mark.parametrize("params", FILTERS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+def test_sampled_rule_output_is_distributed_as_the_target(params: SamplingParams) -> None:
+    p, q = distributions(params, seed=7)
+    _, accepted, tokens = draw(p, q, seed=11)
+    assert 0 < float(accepted.float().mean()) < 1  # both branches of the rule ran
+    assert chi_square_p_value(tokens, p) > SIGNIFICANCE
+
+
+def test_deterministic_proposal_output_is_distributed_as_the_target() -> None:
+    p, _ = distributions(SamplingParams(temperature=0.9, top_k=10), seed=3)
+    _, accepted, tokens = draw(p, None, seed=5)
+    assert 0 < float(accepted.float().mean()) < 1
+    assert chi_square_p_value(tokens, p) > SIGNIFICANCE
+
+
+def test_chi_square_rejects_a_rule_that_resamples_from_p_instead_of_the_residual() -> None:
+    """The classic bug: a rejected token redrawn from ``p`` itself over-weights the tokens
+    the draft already over-proposes. The same test and draws must reject it."""
+    p, q = distributions(SamplingParams(temperature=0.8), seed=7)
+    drafts, accepted, _ = draw(p, q, seed=11)
+    generator = torch.Generator().manual_seed(13)
+    redrawn = torch.multinomial(p, NUM_DRAWS, replacement=True, generator=generator)
+    broken = torch.where(accepted, drafts, redrawn)
+    assert chi_square_p_value(broken, p) < SIGNIFICANCE
+
+
+def test_chi_square_rejects_a_rule_that_accepts_every_draft() -> None:
+    p, q = distributions(SamplingParams(temperature=1.3, top_k=9), seed=7)
+    drafts, _, _ = draw(p, q, seed=11)
+    assert chi_square_p_value(drafts, p) < SIGNIFICANCE
+
+
+def test_sampled_sequence_stops_at_the_first_rejection() -> None:
+    p = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    # Token 1 is certain at position 1 (accepted); token 2 has p = 0 at position 2 (rejected,
+    # replaced by token 0); the bonus row is never reached.
+    assert accept_sampled([1, 2], p, None) == [1, 0]
+
+
+def test_sampled_sequence_all_accepted_draws_the_bonus_from_the_last_row() -> None:
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    assert accept_sampled([1], p, None) == [1, 2]

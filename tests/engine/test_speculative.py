@@ -1,0 +1,196 @@
+"""Speculation's pure parts: prompt lookup, adaptive k, the scheduler's lookahead slots and
+the block manager's lookahead blocks (no torch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sluice.engine.block_manager import BlockManager
+from sluice.engine.scheduler import Scheduler, SchedulerConfig
+from sluice.engine.sequence import Sequence
+from sluice.engine.speculative import AdaptiveK, SpecDecodeStats, SpeculativeConfig, propose_ngram
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
+    # The suffix [1, 2] last occurred at index 3 (followed by 9, 9), before at 0 (by 3).
+    assert propose_ngram([1, 2, 3, 1, 2, 9, 9, 1, 2], 2) == [9, 9]
+    assert propose_ngram([1, 2, 3, 1, 2, 9, 9, 1, 2], 5) == [9, 9, 1, 2]
+
+
+def test_ngram_prefers_the_longer_suffix() -> None:
+    # [7, 1] recurs (followed by 5); [1] alone last occurred followed by 6.
+    assert propose_ngram([7, 1, 5, 1, 6, 7, 1], 1) == [5]
+
+
+def test_ngram_without_a_match_proposes_nothing() -> None:
+    assert propose_ngram([1, 2, 3, 4], 3) == []
+    assert propose_ngram([4], 3) == []
+    assert propose_ngram([1, 1, 1], 0) == []
+    assert propose_ngram([5, 6, 5, 6], 2, ngram_min=3) == []
+
+
+def test_config_refuses_values_that_cannot_hold() -> None:
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig("ngram", 0)
+    with pytest.raises(ValueError, match="method"):
+        SpeculativeConfig("medusa", 2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="ngram_min"):
+        SpeculativeConfig("ngram", 2, ngram_min=3, ngram_max=2)
+
+
+def run_policy(policy: AdaptiveK, num_decodes: int, cost_s: dict[int, float], steps: int) -> int:
+    k = 0
+    for _ in range(steps):
+        k = policy.choose(num_decodes)
+        policy.observe(num_decodes, k, cost_s[k])
+    return policy.choose(num_decodes)
+
+
+def test_adaptive_k_speculates_when_verify_is_cheap_and_drafts_are_accepted() -> None:
+    policy = AdaptiveK(4)
+    for _ in range(50):
+        policy.accepted(4, 4)
+    chosen = run_policy(policy, 1, {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3, 4: 1.4}, steps=40)
+    assert chosen == 4
+
+
+def test_adaptive_k_turns_off_at_a_batch_where_speculation_costs_more_than_it_yields() -> None:
+    policy = AdaptiveK(4)
+    for _ in range(50):
+        policy.accepted(2, 1)  # position 1 mostly accepted, position 2 never
+    costs = {0: 1.0, 1: 2.2, 2: 2.8, 3: 3.7, 4: 4.6}
+    assert run_policy(policy, 64, costs, steps=40) == 0
+    assert policy.choose(64) == 0
+
+
+def test_adaptive_k_turns_off_when_acceptance_is_low() -> None:
+    policy = AdaptiveK(3)
+    for _ in range(80):
+        policy.accepted(3, 0)
+    assert run_policy(policy, 1, {0: 1.0, 1: 1.2, 2: 1.4, 3: 1.6}, steps=40) == 0
+
+
+def test_adaptive_k_costs_are_the_fastest_recent_steady_steps() -> None:
+    """A load spike (a slow k=0 step) or a one-off catch-up (a slow k=1 step, not steady)
+    does not make speculation look better or worse than it is."""
+    policy = AdaptiveK(1)
+    for _ in range(50):
+        policy.accepted(1, 0)  # never accepted: k=1 cannot pay
+    policy.observe(1, 0, 1.0)
+    policy.observe(1, 0, 9.0)  # the machine was busy
+    policy.observe(1, 0, 1.0)
+    assert policy.choose(1) == 1  # k=1 not measured yet: tried
+    policy.observe(1, 1, 30.0, steady=False)  # its draft caught up: no sample
+    assert policy.choose(1) == 1
+    for _ in range(3):
+        policy.observe(1, 1, 1.05)
+    assert policy.choose(1) == 0
+
+
+def test_adaptive_k_buckets_batch_sizes_by_powers_of_two() -> None:
+    assert [AdaptiveK.bucket(n) for n in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
+
+
+def test_stats_count_acceptance_per_position() -> None:
+    stats = SpecDecodeStats("draft", 3)
+    stats.record(3, 1)
+    stats.record(2, 2)
+    stats.record(0, 0)  # no draft: not counted
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 5, 3)
+    assert stats.acceptance_rate_per_pos == [1.0, 0.5, 0.0]
+    assert stats.num_emitted_tokens == 5
+    assert stats.snapshot() == stats
+
+
+def decoding(scheduler: Scheduler, seq: Sequence) -> None:
+    """Run ``seq``'s prefill so it decodes next."""
+    scheduler.add(seq)
+    batch = scheduler.schedule()
+    scheduler.postprocess(batch, {seq.seq_id: 50})
+
+
+def test_scheduler_gives_lookahead_slots_and_postprocess_keeps_only_accepted_tokens() -> None:
+    manager = BlockManager(8, 4)
+    scheduler = Scheduler(SchedulerConfig(4, 32, 4, 4), manager)
+    seq = Sequence(0, [1, 2, 3], 4)
+    decoding(scheduler, seq)  # 4 tokens: one full block
+    batch = scheduler.schedule({0: 5})
+    (item,) = batch.items
+    assert (item.num_new_tokens, item.num_lookahead_tokens) == (1, 5)
+    assert batch.num_batched_tokens == 6
+    assert len(seq.block_table) == 3  # positions 0..9 for the verify and its last token
+    scheduler.postprocess(batch, {0: (60, 61)})  # one draft accepted, then a correction
+    assert seq.token_ids == [1, 2, 3, 50, 60, 61]
+    assert seq.num_computed_tokens == 5
+    assert len(seq.block_table) == 2
+    assert seq.num_lookahead_blocks == 0
+    assert manager.num_free_blocks == 6
+
+
+def test_scheduler_without_free_blocks_for_lookahead_decodes_as_usual() -> None:
+    manager = BlockManager(2, 4)
+    scheduler = Scheduler(SchedulerConfig(4, 32, 4, 4), manager)
+    seq = Sequence(0, [1, 2, 3], 4)
+    decoding(scheduler, seq)
+    batch = scheduler.schedule({0: 8})
+    assert batch.items[0].num_lookahead_tokens == 0
+    with pytest.raises(ValueError, match="allows 1 to 1"):
+        scheduler.postprocess(batch, {0: (1, 2)})
+    scheduler.postprocess(batch, {0: 1})
+    assert seq.num_tokens == 5
+
+
+def test_lookahead_is_cut_to_the_token_budget() -> None:
+    manager = BlockManager(8, 4)
+    scheduler = Scheduler(SchedulerConfig(4, 3, 4, 4), manager)
+    seq = Sequence(0, [1], 4)
+    decoding(scheduler, seq)
+    batch = scheduler.schedule({0: 6})
+    assert batch.items[0].num_lookahead_tokens == 2
+    scheduler.postprocess(batch, {0: (1, 2, 3)})  # all accepted, plus the bonus
+    assert seq.num_tokens == 5
+    assert seq.num_computed_tokens == 4
+    assert len(seq.block_table) == 2  # the bonus token starts block 2
+
+
+def test_a_finishing_speculative_step_frees_every_block() -> None:
+    manager = BlockManager(8, 4)
+    scheduler = Scheduler(SchedulerConfig(4, 32, 4, 4), manager)
+    seq = Sequence(0, [1, 2], 4)
+    decoding(scheduler, seq)
+    batch = scheduler.schedule({0: 7})
+    scheduler.postprocess(batch, {0: (4, 5, 6)}, finished_seq_ids={0})
+    assert manager.num_free_blocks == 8
+    assert scheduler.is_finished()
+
+
+def test_abort_with_lookahead_blocks_frees_them_all() -> None:
+    manager = BlockManager(8, 4)
+    scheduler = Scheduler(SchedulerConfig(4, 32, 4, 4), manager)
+    seq = Sequence(0, [1, 2, 3], 4)
+    decoding(scheduler, seq)
+    batch = scheduler.schedule({0: 6})
+    scheduler.abort(0)
+    scheduler.postprocess(batch, {})
+    assert manager.num_free_blocks == 8
+    assert manager.num_used_blocks == 0
+
+
+def test_accepted_tokens_fill_and_register_lookahead_blocks_for_prefix_caching() -> None:
+    manager = BlockManager(8, 4)
+    seq = Sequence(0, [1, 2, 3], 4)
+    manager.allocate(seq)
+    manager.add_lookahead(seq, 6)  # positions up to 8: two more blocks
+    assert seq.num_lookahead_blocks == 2
+    assert manager.num_free_blocks == 5
+    for token in (4, 5, 6, 7, 8):
+        seq.append_token(token)
+        manager.append_slot(seq)
+    assert seq.num_lookahead_blocks == 1  # the second full block used the first lookahead
+    assert (
+        manager.cached_block_id(manager.blocks[seq.block_table[1]].hash or 0)
+        == (seq.block_table[1])
+    )
+    manager.free_lookahead(seq)
+    assert len(seq.block_table) == 2
+    assert manager.num_free_blocks == 6
