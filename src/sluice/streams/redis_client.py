@@ -21,6 +21,7 @@ from typing import TypeVar
 import redis.asyncio as redis
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
+from redis.exceptions import RedisClusterException, RedisError
 from redis.typing import EncodableT
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "cluster_url",
     "is_cluster",
     "open_redis",
+    "ready",
     "slot_groups",
 ]
 
@@ -77,6 +79,16 @@ def open_redis(url: str) -> RedisClient:
         health_check_interval=0,
         max_connections=64,
     )
+
+
+async def ready(client: RedisClient) -> None:
+    """Make sure a cluster client knows the slot map (a pub/sub connection picks its
+    node from it); nothing to do for one Redis. Raises :class:`RedisError`."""
+    if isinstance(client, RedisCluster):
+        try:
+            await client.initialize()
+        except RedisClusterException as exc:  # not a RedisError: translated here
+            raise RedisError(str(exc)) from exc
 
 
 def slot_groups(items: Iterable[T], key: Callable[[T], str], cluster: bool) -> list[list[T]]:

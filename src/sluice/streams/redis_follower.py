@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 
 from sluice.events import NeutralEvent
 from sluice.streams.memory import MemoryEventLog
-from sluice.streams.redis_client import RedisClient
+from sluice.streams.redis_client import RedisClient, ready
 from sluice.streams.redis_codec import (
     decode_append,
     decode_event,
@@ -163,6 +163,12 @@ class RedisFollower:
 
     async def _listen_loop(self) -> None:
         while True:
+            try:
+                await ready(self._client)
+            except (RedisError, OSError) as exc:
+                logger.warning("Redis unreachable: %s", exc)
+                await asyncio.sleep(RECONNECT_DELAY_S)
+                continue
             pubsub = self._client.pubsub(ignore_subscribe_messages=True)
             try:
                 channel = self._control[0] if self._control is not None else _KEEPALIVE_CHANNEL
