@@ -13,9 +13,9 @@ import redis.asyncio as redis
 
 from sluice.backends.words import WordsBackend
 from sluice.streams import EventLog, HubSettings, LogLimits, MemoryEventLog, StreamHub
+from sluice.streams.redis_client import RedisClient
 from sluice.streams.redis_hub import RedisStreamHub
 from sluice.streams.redis_log import RedisEventLog
-from sluice.streams.redis_client import RedisClient
 from sluice.streams.shared import open_redis
 from tests.redis_cluster import RedisClusterServers
 from tests.redis_server import RedisServer

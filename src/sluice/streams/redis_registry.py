@@ -214,7 +214,8 @@ class RedisRegistry:
             # missed heartbeat) counts its readers again.
             for owner, stream_id in announcements:
                 message = f"joined {stream_id} {self.replica_id}"
-                pipe.publish(replica_control_channel(owner), message)
+                # (execute_command: a cluster pipeline refuses its publish() method.)
+                pipe.execute_command("PUBLISH", replica_control_channel(owner), message)
             pipe.zrangebyscore(LEASES_KEY, "-inf", now_ms, start=0, num=_MAX_REAPED_PER_SWEEP)
             answers = await pipe.execute()
             first = 1 + bool(live)
