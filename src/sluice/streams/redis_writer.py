@@ -225,12 +225,15 @@ class RedisWriter:
         counted.num_bytes = held
         return grown
 
-    def _script_calls(self, appends: list[Append]) -> tuple[list[list[EncodableT]], dict[str, int]]:
-        """The round trip's ``APPEND`` calls (their keys and args, one per slot group)
-        and what each tenant's counted bytes grew by."""
+    def _script_calls(
+        self, appends: list[Append]
+    ) -> tuple[list[list[EncodableT]], list[list[Append]], dict[str, int]]:
+        """The round trip's ``APPEND`` calls (their keys and args, one per slot group),
+        the appends each call carries, and what each tenant's counted bytes grew by."""
         calls: list[list[EncodableT]] = []
+        groups = slot_groups(appends, lambda a: log_key(a.stream_id), self._cluster)
         grown_by_tenant: dict[str, int] = {}
-        for group in slot_groups(appends, lambda a: log_key(a.stream_id), self._cluster):
+        for group in groups:
             keys: list[EncodableT] = []
             args: list[EncodableT] = [self._max_records]
             for append in group:
@@ -243,13 +246,13 @@ class RedisWriter:
                 args += (append.first_seq, len(append.encoded), terminal, grown)
                 args += (*append.encoded, append.message)
             calls.append([len(keys), *keys, *args])
-        return calls, grown_by_tenant
+        return calls, groups, grown_by_tenant
 
     async def _flush(self, batch: list[_Write]) -> None:
         """One round trip: the batch's commands in order, the shared byte counts, then its
         appends (one ``APPEND`` call per slot group)."""
         appends = [write.append for write in batch if write.append is not None]
-        calls, grown_by_tenant = self._script_calls(appends)
+        calls, groups, grown_by_tenant = self._script_calls(appends)
         counts: list[Command] = []
         if grown_by_tenant:
             counts.append(("INCRBY", LOG_BYTES_KEY, sum(grown_by_tenant.values())))
@@ -266,17 +269,18 @@ class RedisWriter:
             for write in batch:
                 self._failed(write, f"Redis did not take the write: {exc}")
             return
-        appended: list[object] = []
-        for answer in results[len(results) - len(calls) :]:
-            appended += answer if isinstance(answer, list) else [answer]
-        taken = iter(appended)
+        # Each append's answer, by identity (the calls answer them slot group by group).
+        answer_of: dict[int, object] = {}
+        for group, answer in zip(groups, results[len(results) - len(calls) :], strict=True):
+            answers = answer if isinstance(answer, list) else [answer] * len(group)
+            answer_of.update(zip(map(id, group), answers, strict=False))
         offset = 0
         for write in batch:
             answers = results[offset : offset + len(write.commands)]
             offset += len(write.commands)
             error: object = next((a for a in answers if isinstance(a, Exception)), None)
             if write.append is not None:
-                answer = next(taken, None)
+                answer = answer_of.get(id(write.append))
                 if isinstance(answer, Exception):
                     error = answer
                 elif answer != 1:
