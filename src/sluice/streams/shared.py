@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import redis as sync_redis
 from redis.cluster import RedisCluster
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from sluice.errors import ConfigError
 from sluice.streams.redis_client import (
@@ -59,12 +59,12 @@ def shared_token_secret(url: str) -> bytes:
             client = RedisCluster.from_url(plain, **timeouts)
         else:
             client = sync_redis.Redis.from_url(url, **timeouts)
-    except RedisError as exc:  # a cluster client asks for the slot map at once
+    except (RedisError, RedisClusterException) as exc:  # a cluster client connects at once
         raise ConfigError(f"--redis {url}: {exc}") from exc
     try:
         client.set(TOKEN_SECRET_KEY, secrets.token_hex(32), nx=True)
         secret = client.get(TOKEN_SECRET_KEY)
-    except RedisError as exc:
+    except (RedisError, RedisClusterException) as exc:
         raise ConfigError(f"--redis {url}: {exc}") from exc
     finally:
         client.close()
