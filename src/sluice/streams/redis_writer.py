@@ -127,12 +127,17 @@ class RedisWriter:
         then the last queued commands (registry updates) go out."""
         async with asyncio.TaskGroup() as tasks:
             self._running = True
-            loop = tasks.create_task(self._write_loop())
+            if not self._queue:
+                self._queued.clear()
+            tasks.create_task(self._write_loop())
             try:
                 yield self
             finally:
+                # The loop ends after its round trip in flight (bounded by WRITE_TIMEOUT_S),
+                # not cancelled inside it: a cancel there can be lost in the client, and
+                # the write with it.
                 self._running = False
-                loop.cancel()
+                self._queued.set()
         await self.drain()
         self.close()
 
@@ -199,6 +204,8 @@ class RedisWriter:
     async def _write_loop(self) -> None:
         while True:
             await self._queued.wait()
+            if not self._running:
+                return
             queue = self._queue
             take = num_commands = 0
             while take < len(queue) and (
