@@ -25,7 +25,7 @@ if ((want_test)) && [[ ! -x /usr/bin/chromium ]]; then
 fi
 # Redis for the scale-out tests (started by the tests on a free port, never as a service)
 # and nginx as their load balancer.
-if ((want_test)) && ! { command -v redis-server && command -v nginx; } >/dev/null; then
+if ((want_test)) && ! { command -v redis-server && command -v redis-cli && command -v nginx; } >/dev/null; then
     apt_install redis-server redis-tools nginx
 fi
 if ((want_test)) && ! command -v npm >/dev/null; then

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from tests.redis_cluster import RedisClusterServers
 from tests.redis_server import RedisServer
 from tests.server import ServerProcess
 
@@ -35,3 +36,11 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     shares it uses streams of fresh ids, or a database of its own)."""
     with RedisServer(tmp_path_factory.mktemp("redis")) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterServers]:
+    """A real three-node Redis Cluster on free loopback ports for the session (each test
+    that uses it flushes it first)."""
+    with RedisClusterServers(tmp_path_factory.mktemp("redis-cluster")) as cluster:
+        yield cluster

@@ -12,14 +12,15 @@ import shutil
 import signal
 import socket
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["RedisServer"]
+__all__ = ["RedisServer", "free_port"]
 
 _READY = b"Ready to accept connections"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
@@ -29,14 +30,22 @@ def _free_port() -> int:
 class RedisServer:
     """``redis-server`` in ``directory``, with the append-only file on when asked."""
 
-    def __init__(self, directory: Path, *, appendonly: bool = False) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        appendonly: bool = False,
+        options: Sequence[str] = (),
+        port: int | None = None,
+    ) -> None:
         executable = shutil.which("redis-server")
         if executable is None:
             raise RuntimeError("redis-server is missing: run scripts/setup.sh --test")
         self.executable = executable
         self.directory = directory
         self.appendonly = appendonly
-        self.port = _free_port()
+        self.options = tuple(options)  # more of redis-server's flags (a cluster node's)
+        self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -57,6 +66,7 @@ class RedisServer:
             "no",
             "--loglevel",
             "notice",
+            *self.options,
         ]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         assert self.process.stdout is not None

@@ -507,8 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--redis",
         default=os.environ.get(REDIS_URL_ENV) or None,
         metavar="URL",
-        help="keep streams in this Redis (redis://HOST:PORT/DB), shared by every replica "
-        "that names it: any replica serves any read, resume, status or cancel "
+        help="keep streams in this Redis (redis://HOST:PORT/DB, or redis+cluster://HOST:PORT "
+        "for any node of a Redis Cluster), shared by every replica that names it: any "
+        "replica serves any read, resume, status or cancel "
         f"(default: ${REDIS_URL_ENV}; unset: in this process's memory)",
     )
     serve.add_argument(

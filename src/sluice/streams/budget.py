@@ -37,7 +37,7 @@ from collections import OrderedDict
 
 from sluice.streams.sizing import LOG_BYTES
 
-__all__ = ["LogBudget"]
+__all__ = ["LOG_MEMORY", "TENANT_LOG_BYTES", "LogBudget", "full_mark"]
 
 # Eviction and refusal reasons (metric labels).
 LOG_MEMORY = "log_memory"
@@ -107,11 +107,12 @@ class LogBudget:
     def refusal(self, tenant: str) -> str | None:
         """Why a new stream of ``tenant`` cannot get room even if every stream it may evict
         were evicted (``log_memory``, else ``tenant_log_bytes``), or ``None``."""
-        if self.num_bytes - self.retained_bytes + LOG_BYTES > _full(self.budget_bytes):
+        if self.num_bytes - self.retained_bytes + LOG_BYTES > full_mark(self.budget_bytes):
             return LOG_MEMORY  # first: with one tenant, its bytes are the server's
         record = self._tenants.get(tenant)
         if record is not None and (
-            record.num_bytes - record.retained_bytes + LOG_BYTES > _full(self.max_bytes_per_tenant)
+            record.num_bytes - record.retained_bytes + LOG_BYTES
+            > full_mark(self.max_bytes_per_tenant)
         ):
             return TENANT_LOG_BYTES
         return None
@@ -236,7 +237,7 @@ class LogBudget:
         self.num_bytes = self.num_live = self.retained_bytes = 0
 
 
-def _full(bound: int) -> int:
+def full_mark(bound: int) -> int:
     """Where live streams fill ``bound``: its last tenth is kept for them to grow into (a
     trim takes a tenth more than needed, so a full bound hovers in its last tenth)."""
     return bound - bound // 10

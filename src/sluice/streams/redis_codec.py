@@ -10,9 +10,22 @@ one slot and a Lua script may touch them together:
 ``sluice:{id}:events``         pub/sub channel: every append, for replicas that follow it
 =============================  ==========================================================
 
-and, server-wide, ``sluice:leases`` (sorted set: stream id -> producer lease expiry in
-ms), ``sluice:live`` and ``sluice:tenant:<tenant>:live`` (sets of live stream ids: the
-counts the limits read), ``sluice:replica:<id>`` (a replica's liveness, with a TTL) and
+and the registry's keys, which share the hash tag ``{registry}`` (one slot, deliberately:
+admission counts a stream against the server's and its tenant's limits in one atomic
+script, and they are touched once per stream created or ended and once per heartbeat,
+never per token):
+
+=========================================  ===============================================
+``sluice:{registry}:leases``               sorted set: stream id -> producer lease expiry
+                                           (ms)
+``sluice:{registry}:live``                 set of live stream ids (``--max-streams``)
+``sluice:{registry}:tenant:<t>:live``      set of a tenant's live stream ids
+``sluice:{registry}:log-bytes``            the live streams' log bytes, all tenants
+                                           (``--log-memory-budget``)
+``sluice:{registry}:tenant-log-bytes``     hash: tenant -> its live streams' log bytes
+=========================================  ===============================================
+
+and ``sluice:replica:<id>`` (a replica's liveness, with a TTL) and
 ``sluice:replica:<id>:control`` (its cancel bus channel).
 
 An event is a compact JSON array, its first item a one-letter tag (a durable stream's
@@ -44,6 +57,8 @@ from sluice.events import (
 __all__ = [
     "LEASES_KEY",
     "LIVE_KEY",
+    "LOG_BYTES_KEY",
+    "TENANT_LOG_BYTES_KEY",
     "decode_append",
     "decode_event",
     "decode_render",
@@ -60,8 +75,10 @@ __all__ = [
     "tenant_live_key",
 ]
 
-LEASES_KEY = "sluice:leases"
-LIVE_KEY = "sluice:live"
+LEASES_KEY = "sluice:{registry}:leases"
+LIVE_KEY = "sluice:{registry}:live"
+LOG_BYTES_KEY = "sluice:{registry}:log-bytes"
+TENANT_LOG_BYTES_KEY = "sluice:{registry}:tenant-log-bytes"
 
 
 def log_key(stream_id: str) -> str:
@@ -77,7 +94,7 @@ def events_channel(stream_id: str) -> str:
 
 
 def tenant_live_key(tenant: str) -> str:
-    return f"sluice:tenant:{tenant}:live"
+    return f"sluice:{{registry}}:tenant:{tenant}:live"
 
 
 def replica_key(replica_id: str) -> str:

@@ -5,23 +5,22 @@ A :class:`RedisStreamHub` is a :class:`~sluice.streams.hub.StreamHub` whose log 
 producer, as one process would; what the others need is in Redis (key names in
 :mod:`sluice.streams.redis_codec`):
 
-- **Registry**: creating a stream writes its record (model, tenant, resumability, grace,
-  render meta, owner replica) to ``sluice:{id}:meta`` in the same Lua call that counts it
-  against the server's and the tenant's live streams (``sluice:live``,
-  ``sluice:tenant:<t>:live``), so those limits hold across replicas. Any replica then
-  serves any read, resume, status or cancel: :meth:`attach` (called by the gateway before
-  it looks a stream up) loads the record and follows the log.
+- **Registry** (:mod:`sluice.streams.redis_registry`): creating a stream counts it
+  against the live streams and the log bytes of the servers and of its tenant, so those
+  limits and the memory budget hold across replicas, and writes its record (model,
+  tenant, resumability, grace, render meta, owner replica) to ``sluice:{id}:meta``. Any
+  replica then serves any read, resume, status or cancel: :meth:`attach` (called by the
+  gateway before it looks a stream up) loads the record and follows the log.
 - **Cancel bus**: each replica listens on its own control channel; a cancel, or a reader
   joining or leaving, on another replica is published to the owner's.
 - **Reader presence**: the owner counts replicas that hold readers of its streams
   (``joined``/``left`` messages, ``joined`` repeated every heartbeat); a replica's presence
   is leased by its heartbeat key (``sluice:replica:<id>``), so a reader's replica that dies
-  stops keeping a stream alive within a lease. The last-reader and grace rules count those replicas as readers.
-- **Producer lease**: the owner refreshes ``sluice:leases`` (stream id -> expiry) every
-  heartbeat. Every replica sweeps expired leases with one Lua call each, which appends
-  **one** retryable ``Error("unavailable")`` to a log not already ended (the terminal
-  entry carries the ``t`` field) and closes the record. Entry ids are the seqs, so a
-  producer that comes back after losing its lease cannot append past that event.
+  stops keeping a stream alive within a lease. The last-reader and grace rules count those
+  replicas as readers.
+- **Producer lease**: the owner refreshes its streams' leases every heartbeat, and every
+  replica sweeps expired ones (:mod:`sluice.streams.redis_registry`): a dead producer's
+  stream gets exactly one retryable ``Error("unavailable")``.
 - **Redis unavailable**: a creation is refused at once (``CapacityError``: 503 with
   ``Retry-After``); a live stream's producer ends it with a retryable error for its local
   readers (the log raises), and the lease gives Redis's copy its terminal event once Redis
@@ -34,70 +33,32 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
 from sluice.backends.base import Backend, GenerationRequest
-from sluice.errors import CapacityError, TenantLimitError
+from sluice.errors import CapacityError
 from sluice.events import Error, Finished, FinishReason, NeutralEvent, RenderMeta
 from sluice.streams.hub import HubSettings, Stream, StreamHub, StreamObserver
 from sluice.streams.ids import new_stream_id
 from sluice.streams.reader import Reader
 from sluice.streams.redis_codec import (
-    LEASES_KEY,
-    LIVE_KEY,
     decode_render,
-    encode_event,
     encode_render,
     log_key,
     meta_key,
     replica_control_channel,
-    replica_key,
-    tenant_live_key,
     text_fields,
 )
 from sluice.streams.redis_log import WRITE_TIMEOUT_S, RedisEventLog
-from sluice.streams.redis_scripts import ADMIT, REAP
+from sluice.streams.redis_registry import DEFAULT_LEASE_S, ClusterSettings, RedisRegistry
+from sluice.streams.sizing import LOG_BYTES
 from sluice.streams.state import StreamState
 
 __all__ = ["DEFAULT_LEASE_S", "ClusterSettings", "RedisStreamHub"]
 
-# The issue's bound: a dead producer's streams end within 5 s.
-DEFAULT_LEASE_S = 5.0
-
 logger = logging.getLogger("sluice.streams.redis")
-
-_LEASE_LOST = Error(
-    "unavailable", "the server running this stream stopped; retry the request", True
-)
-# Streams one sweep ends at most (the rest wait for the next heartbeat).
-_MAX_REAPED_PER_SWEEP = 256
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterSettings:
-    """How replicas share streams through Redis."""
-
-    # A producer whose replica stops refreshing its lease for this long is presumed dead:
-    # its streams get their retryable terminal event within it (plus one heartbeat).
-    lease_s: float = DEFAULT_LEASE_S
-    # Leases and this replica's presence are refreshed, and expired leases swept, this
-    # often: a fifth of the lease, so a lease survives a few missed heartbeats.
-    heartbeat_s: float = 1.0
-    # A stream another replica runs stays followed this long after its last reader here
-    # left (a client that reconnects here soon finds its mirror warm).
-    linger_s: float = 10.0
-    # The name of this replica in Redis; by default a fresh random one per process.
-    replica_id: str = ""
-
-    def __post_init__(self) -> None:
-        if not 0 < self.heartbeat_s < self.lease_s:
-            raise ValueError("heartbeat_s must be positive and under lease_s")
-        if self.linger_s < 0:
-            raise ValueError("linger_s must not be negative")
 
 
 class RedisStreamHub(StreamHub):
@@ -119,9 +80,7 @@ class RedisStreamHub(StreamHub):
         self._remote: dict[str, Stream] = {}  # streams other replicas run, served here
         self._owners: dict[str, str] = {}  # their owners
         self._presence: dict[str, set[str]] = {}  # own streams: replicas reading them
-        self._admit = self._client.register_script(ADMIT)
-        self._reap = self._client.register_script(REAP)
-        self.num_reaped = 0
+        self.registry = RedisRegistry(self._client, self.settings, self.cluster, self.replica_id)
         self.on_follow: Callable[[str, RenderMeta | None], None] | None = None
         """Called before a stream another replica runs is mirrored here, with its render
         meta (the frame cache then encodes it in its dialect)."""
@@ -157,8 +116,10 @@ class RedisStreamHub(StreamHub):
         stream_id = stream_id or new_stream_id()
         settings = self.settings
         grace = settings.default_grace_s if grace_s is None else grace_s
-        if self.running_now and not self.draining and model in self.backends:
-            await self._register(stream_id, model, resumable, grace, tenant)
+        registered = self.running_now and not self.draining and model in self.backends
+        if registered:
+            await self.registry.admit(stream_id, model, resumable, grace, tenant)
+            self._redis_log.writer.count_bytes(stream_id, tenant)
         try:
             stream = await super().create(
                 model,
@@ -169,48 +130,11 @@ class RedisStreamHub(StreamHub):
                 stream_id=stream_id,
             )
         except BaseException:
-            self._redis_log.send(*self._closing(stream_id, tenant, 0))
+            if registered:
+                self._redis_log.writer.uncount(stream_id)
+                self._redis_log.send(*self.registry.closing(stream_id, tenant, LOG_BYTES, 0))
             raise
         return stream
-
-    async def _register(
-        self, stream_id: str, model: str, resumable: bool, grace_s: float, tenant: str
-    ) -> None:
-        settings = self.settings
-        lease_ms = int((time.time() + self.cluster.lease_s) * 1000)
-        ttl_s = int(settings.max_stream_s + settings.retention_s) + 1
-        fields: list[str | int | float] = [
-            "model", model, "tenant", tenant, "resumable", int(resumable), "grace_s", grace_s,
-            "created", time.time(), "owner", self.replica_id, "state", "queued",
-        ]  # fmt: skip
-        keys = [LIVE_KEY, tenant_live_key(tenant), meta_key(stream_id), LEASES_KEY]
-        args: list[str | int | float] = [
-            stream_id,
-            settings.max_streams,
-            settings.max_streams_per_tenant,
-            lease_ms,
-            ttl_s,
-        ]
-        try:
-            async with asyncio.timeout(WRITE_TIMEOUT_S):
-                answer = await self._admit(keys=keys, args=[*args, *fields])
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise CapacityError(
-                "the shared stream registry (Redis) is unavailable",
-                retry_after_s=settings.retry_after_s,
-                reason="registry_unavailable",
-            ) from exc
-        if answer == b"tenant":
-            raise TenantLimitError(
-                f"tenant {tenant!r} holds {settings.max_streams_per_tenant} live streams "
-                "across the servers, its maximum",
-                tenant=tenant,
-                retry_after_s=settings.retry_after_s,
-            )
-        if answer == b"server":
-            raise CapacityError(
-                "too many streams on these servers", retry_after_s=settings.retry_after_s
-            )
 
     async def _append(self, stream: Stream, event: NeutralEvent) -> None:
         if not stream.num_events and stream.render is not None:
@@ -220,30 +144,21 @@ class RedisStreamHub(StreamHub):
             self._redis_log.send(("HSET", meta_key(stream.id), "render", render))
         await super()._append(stream, event)
 
-    def _closing(self, stream_id: str, tenant: str, ttl_s: int) -> list[tuple[object, ...]]:
-        """The commands that take a stream out of the live counts and the leases."""
-        commands: list[tuple[object, ...]] = [
-            ("ZREM", LEASES_KEY, stream_id),
-            ("SREM", LIVE_KEY, stream_id),
-            ("SREM", tenant_live_key(tenant), stream_id),
-        ]
-        if ttl_s <= 0:
-            commands.append(("DEL", meta_key(stream_id)))
-        return commands
-
     async def _finish(self, stream: Stream, final: list[NeutralEvent], target: StreamState) -> None:
         await super()._finish(stream, final, target)
         self._presence.pop(stream.id, None)
         if not self._redis_log.writes_here(stream.id) or self._redis_log.is_local_only(stream.id):
             return  # Redis lost the stream: its lease gives it a terminal event
         ttl_s = max(1, int(self.settings.retention_s))
+        counted = self._redis_log.writer.uncount(stream.id)
+        num_bytes = LOG_BYTES if counted is None else counted[1]
         self._redis_log.send(
             ("HSET", meta_key(stream.id), "state", stream.state.value,
              "finish_reason", stream.finish_reason or "", "events", stream.num_events,
              "tokens", stream.num_tokens),
             ("EXPIRE", meta_key(stream.id), ttl_s),
             ("EXPIRE", log_key(stream.id), ttl_s),
-            *self._closing(stream.id, stream.tenant, ttl_s),
+            *self.registry.closing(stream.id, stream.tenant, num_bytes, ttl_s),
         )  # fmt: skip
 
     # ------------------------------------------------------------------ other replicas' streams
@@ -436,8 +351,6 @@ class RedisStreamHub(StreamHub):
     async def _heartbeat(self) -> None:
         """Refresh this replica's presence and its streams' leases; forget replicas that
         stopped refreshing theirs; end the streams of producers that did."""
-        now_ms = int(time.time() * 1000)
-        lease_ms = int(self.cluster.lease_s * 1000)
         writes_here = self._redis_log.writes_here
         local_only = self._redis_log.is_local_only
         live = [
@@ -446,35 +359,18 @@ class RedisStreamHub(StreamHub):
             if writes_here(stream.id) and not local_only(stream.id)
         ]
         readers = sorted({replica for group in self._presence.values() for replica in group})
-        async with asyncio.timeout(WRITE_TIMEOUT_S):
-            pipe = self._client.pipeline(transaction=False)
-            pipe.set(replica_key(self.replica_id), 1, px=lease_ms)
-            if live:
-                pipe.zadd(LEASES_KEY, dict.fromkeys(live, now_ms + lease_ms), xx=True)
-            for replica in readers:
-                pipe.exists(replica_key(replica))
-            # Readers here of streams run elsewhere: told again every heartbeat, so an owner
-            # that took this replica for gone (a missed heartbeat) counts them again.
-            for stream_id, stream in self._remote.items():
-                owner = self._owners.get(stream_id)
-                if stream.readers and owner is not None and not stream.is_terminal:
-                    message = f"joined {stream_id} {self.replica_id}"
-                    pipe.publish(replica_control_channel(owner), message)
-            pipe.zrangebyscore(LEASES_KEY, "-inf", now_ms, start=0, num=_MAX_REAPED_PER_SWEEP)
-            answers = await pipe.execute()
-            first = 1 + bool(live)
-            alive = dict(zip(readers, answers[first : first + len(readers)], strict=True))
-            for replica, exists in alive.items():
-                if not exists:
-                    self._replica_gone(replica)
-            payload = encode_event(_LEASE_LOST)
-            ttl_s = max(1, int(self.settings.retention_s))
-            for raw in answers[-1]:
-                stream_id = raw.decode()
-                keys = [LEASES_KEY, log_key(stream_id), meta_key(stream_id), LIVE_KEY]
-                if await self._reap(keys=keys, args=[stream_id, now_ms, payload, ttl_s]):
-                    self.num_reaped += 1
-                    logger.info("stream %s: its producer's lease expired; ended it", stream_id)
+        announcements = [
+            (self._owners[stream_id], stream_id)
+            for stream_id, stream in self._remote.items()
+            if stream.readers and stream_id in self._owners and not stream.is_terminal
+        ]
+        for replica in await self.registry.heartbeat(live, readers, announcements):
+            self._replica_gone(replica)
+
+    @property
+    def num_reaped(self) -> int:
+        """Streams this replica's sweeps ended (their producer's lease expired)."""
+        return self.registry.num_reaped
 
     def _replica_gone(self, replica: str) -> None:
         for stream_id, group in list(self._presence.items()):

@@ -1,0 +1,46 @@
+"""Which Redis client a URL names, and how a round trip's keys group by cluster slot."""
+
+from __future__ import annotations
+
+import pytest
+from redis.crc import key_slot
+
+from sluice.errors import ConfigError
+from sluice.streams.redis_client import cluster_url, slot_groups
+from sluice.streams.redis_codec import LEASES_KEY, LIVE_KEY, log_key, meta_key, tenant_live_key
+from sluice.streams.shared import SharedStreams
+
+
+def test_a_cluster_url_names_the_plain_url_of_one_of_its_nodes() -> None:
+    assert cluster_url("redis+cluster://10.0.0.1:7000") == "redis://10.0.0.1:7000"
+    assert cluster_url("rediss+cluster://u:p@h:7000") == "rediss://u:p@h:7000"
+    assert cluster_url("redis://10.0.0.1:6379/0") is None
+
+
+def test_shared_streams_take_one_redis_or_a_cluster_and_nothing_else() -> None:
+    assert SharedStreams("redis+cluster://127.0.0.1:7000").url.startswith("redis+cluster")
+    assert SharedStreams("redis://127.0.0.1:6379/0")
+    with pytest.raises(ConfigError, match="redis\\+cluster://"):
+        SharedStreams("http://127.0.0.1:6379")
+
+
+def test_on_one_redis_a_round_trips_keys_are_one_group() -> None:
+    ids = ["a", "b", "c"]
+    assert slot_groups(ids, log_key, cluster=False) == [ids]
+    assert slot_groups([], log_key, cluster=False) == []
+
+
+def test_on_a_cluster_keys_group_by_slot_in_first_seen_order() -> None:
+    ids = [f"str_{i}" for i in range(40)]
+    groups = slot_groups(ids, log_key, cluster=True)
+    assert sorted(i for group in groups for i in group) == sorted(ids)
+    for group in groups:
+        assert len({key_slot(log_key(i).encode()) for i in group}) == 1
+    firsts = [group[0] for group in groups]
+    assert firsts == sorted(firsts, key=ids.index)
+
+
+def test_a_streams_keys_share_its_slot_and_the_registrys_keys_share_theirs() -> None:
+    assert key_slot(log_key("s1").encode()) == key_slot(meta_key("s1").encode())
+    registry = {key_slot(k.encode()) for k in (LEASES_KEY, LIVE_KEY, tenant_live_key("acme"))}
+    assert len(registry) == 1
