@@ -260,7 +260,12 @@ def test_3_cancel_on_one_gateway_stops_the_generation_on_another_and_frees_kv(
 ) -> None:
     with balanced(tmp_path, redis_url, engine=True) as (gateways, nginx):
         a, b = gateways[0], gateways[1]
-        body = {"prompt": "Once upon a time", "max_tokens": 240, "temperature": 1.0}
+        body = {
+            "prompt": "Once upon a time",
+            "max_tokens": 240,
+            "temperature": 1.0,
+            "ignore_eos": True,
+        }
         response = httpx.post(f"{a.base_url}/v1/streams", json=body)
         assert response.status_code == 201, response.text
         stream_id = str(response.json()["id"])

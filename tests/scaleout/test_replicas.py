@@ -74,7 +74,12 @@ def test_status_and_cancel_on_another_replica_stop_the_producer(redis_url: str) 
 
 def test_cancel_on_another_replica_frees_the_engines_kv_blocks(redis_url: str) -> None:
     with replicas(redis_url, 2, engine=True) as (a, b):
-        body = {"prompt": "Once upon a time", "max_tokens": 240, "temperature": 1.0}
+        body = {
+            "prompt": "Once upon a time",
+            "max_tokens": 240,
+            "temperature": 1.0,
+            "ignore_eos": True,
+        }
         created = httpx.post(f"{a.base_url}/v1/streams", json=body)
         assert created.status_code == 201, created.text
         stream_id = created.json()["id"]

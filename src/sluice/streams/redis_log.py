@@ -28,7 +28,7 @@ from sluice.events import NeutralEvent, is_terminal
 from sluice.streams.log import Batch, LogLimits, LogObserver, Waiter
 from sluice.streams.memory import MemoryEventLog
 from sluice.streams.redis_client import Command, RedisClient
-from sluice.streams.redis_codec import encode_append, encode_event, entry_id, log_key
+from sluice.streams.redis_codec import encode_event, entry_id, log_key
 from sluice.streams.redis_follower import RedisFollower
 from sluice.streams.redis_writer import (
     MAX_PIPELINE_COMMANDS,
@@ -109,8 +109,7 @@ class RedisEventLog:
         self._next_seq[stream_id] = next_seq + len(events)
         encoded = [encode_event(event) for event in events]
         terminal = bool(events) and is_terminal(events[-1])
-        message = encode_append(next_seq, encoded)
-        await self.writer.append(Append(stream_id, events, next_seq, terminal, encoded, message))
+        await self.writer.append(Append(stream_id, events, next_seq, terminal, encoded))
         return next_seq + len(events) - 1
 
     def read(self, stream_id: str, after_seq: int, max_records: int) -> Batch:

@@ -79,7 +79,6 @@ class Append:
     first_seq: int
     terminal: bool
     encoded: Sequence[bytes]
-    message: bytes
 
 
 @dataclass(slots=True)
@@ -249,9 +248,11 @@ class RedisWriter:
                 if grown:
                     tenant = self._counted[append.stream_id].tenant
                     grown_by_tenant[tenant] = grown_by_tenant.get(tenant, 0) + grown
-                terminal = b"1" if append.terminal else b"0"
-                args += (append.first_seq, len(append.encoded), terminal, grown)
-                args += (*append.encoded, append.message)
+                terminal = 1 if append.terminal else 0
+                args.append(
+                    b"%d %d %d %d" % (append.first_seq, len(append.encoded), terminal, grown)
+                )
+                args += append.encoded
             calls.append([len(keys), *keys, *args])
         return calls, groups, grown_by_tenant
 
@@ -283,9 +284,11 @@ class RedisWriter:
             answer_of.update(zip(map(id, group), answers, strict=False))
         offset = 0
         for write in batch:
-            answers = results[offset : offset + len(write.commands)]
-            offset += len(write.commands)
-            error: object = next((a for a in answers if isinstance(a, Exception)), None)
+            error: object = None
+            if write.commands:  # an append alone (nearly every write) has none
+                answers = results[offset : offset + len(write.commands)]
+                offset += len(write.commands)
+                error = next((a for a in answers if isinstance(a, Exception)), None)
             if write.append is not None:
                 answer = answer_of.get(id(write.append))
                 if isinstance(answer, Exception):
