@@ -36,7 +36,7 @@ import torch
 from engine_throughput import hf_generate, load_hf, make_prompts
 from sluice.cli import BUNDLED_MODEL
 from sluice.engine.default_model import default_model_file
-from sluice.engine.engine import Engine, EngineConfig
+from sluice.engine.engine import Engine
 from sluice.engine.loader import Checkpoint, load_checkpoint
 from sluice.engine.model_runner import PagedModel
 from sluice.engine.sampling_params import SamplingParams
@@ -88,17 +88,8 @@ def make_engine(
     draft: PagedModel | None,
     max_num_seqs: int,
 ) -> Engine:
-    config = EngineConfig.for_serving(
-        checkpoint.config.n_positions, num_blocks=1024, max_num_seqs=max_num_seqs
-    )
-    tokenizer = checkpoint.tokenizer
-    return Engine(
-        checkpoint.model,
-        config,
-        eos_token_id=tokenizer.eos_token_ids,
-        token_bytes=tokenizer.token_bytes,
-        speculation=speculation,
-        draft_model=draft,
+    return checkpoint.engine(
+        num_blocks=1024, max_num_seqs=max_num_seqs, speculation=speculation, draft_model=draft
     )
 
 

@@ -39,7 +39,6 @@ from sluice.engine.default_model import (
     default_model_file,
 )
 from sluice.engine.driver import AsyncEngine
-from sluice.engine.engine import Engine, EngineConfig
 from sluice.engine.loader import load_checkpoint
 from sluice.engine.model_runner import PagedModel
 from sluice.engine.speculative import SpeculativeConfig
@@ -779,16 +778,11 @@ def _embedded_engine(
     # 2 threads ran a step 3-16x slower than 1).
     torch.set_num_threads(args.engine_threads)
     checkpoint = load_checkpoint(args.model, name=name)
-    config = EngineConfig.for_serving(
-        checkpoint.config.n_positions, num_blocks=args.kv_blocks, max_num_seqs=args.max_running
-    )
     tokenizer = checkpoint.tokenizer
     speculation, draft_model = _speculation(args)
-    engine = Engine(
-        checkpoint.model,
-        config,
-        eos_token_id=tokenizer.eos_token_ids,
-        token_bytes=tokenizer.token_bytes,
+    engine = checkpoint.engine(
+        num_blocks=args.kv_blocks,
+        max_num_seqs=args.max_running,
         speculation=speculation,
         draft_model=draft_model,
     )

@@ -26,12 +26,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from sluice.engine.engine import Engine
 from sluice.engine.gguf import read_gguf_model
 from sluice.engine.gguf_file import GGUFError, GGUFFile
 from sluice.engine.gguf_vocab import gguf_special_tokens, gguf_tokenizer
 from sluice.engine.hf_files import HFFilesError, read_chat_template, read_special_tokens
+from sluice.engine.model_runner import PagedModel
 from sluice.engine.models.gpt2 import GPT2Config, GPT2LMHeadModel
 from sluice.engine.models.llama import LlamaConfig, LlamaForCausalLM
+from sluice.engine.outputs import EngineConfig
+from sluice.engine.speculative import SpeculativeConfig
 from sluice.engine.tokenizer import Tokenizer, TokenizerError
 
 __all__ = ["Checkpoint", "CheckpointError", "load_checkpoint"]
@@ -57,6 +61,29 @@ class Checkpoint:
     bos_token: str = ""
     eos_token: str = ""
     weight_files: tuple[Path, ...] = ()
+
+    def engine(
+        self,
+        *,
+        num_blocks: int,
+        max_num_seqs: int,
+        speculation: SpeculativeConfig | None = None,
+        draft_model: PagedModel | None = None,
+    ) -> Engine:
+        """An engine of this model with the limits ``sluice serve`` and ``sluice worker``
+        run it with (:meth:`EngineConfig.for_serving`); :class:`ValueError` for limits
+        that cannot hold."""
+        config = EngineConfig.for_serving(
+            self.config.n_positions, num_blocks=num_blocks, max_num_seqs=max_num_seqs
+        )
+        return Engine(
+            self.model,
+            config,
+            eos_token_id=self.tokenizer.eos_token_ids,
+            token_bytes=self.tokenizer.token_bytes,
+            speculation=speculation,
+            draft_model=draft_model,
+        )
 
 
 def _read_config(directory: Path) -> dict[str, object]:

@@ -37,7 +37,7 @@ from sluice.engine.default_model import (
     default_model_file,
 )
 from sluice.engine.driver import AsyncEngine
-from sluice.engine.engine import Engine, EngineConfig
+from sluice.engine.engine import EngineConfig
 from sluice.engine.loader import Checkpoint, load_checkpoint
 from sluice.engine.models.llama import LlamaConfig
 from sluice.engine.sampling_params import SamplingParams
@@ -177,20 +177,11 @@ def run(args: argparse.Namespace) -> int:
         if args.model is None:
             args.model, name = default_model_file(), DEFAULT_MODEL_NAME
         checkpoint = load_checkpoint(args.model, name=name)
-        config = EngineConfig.for_serving(
-            checkpoint.config.n_positions, num_blocks=args.kv_blocks, max_num_seqs=args.max_running
-        )
+        engine = checkpoint.engine(num_blocks=args.kv_blocks, max_num_seqs=args.max_running)
     except (OSError, ValueError) as exc:
         print(f"sluice worker: {exc}", file=sys.stderr)
         return 2
-    tokenizer = checkpoint.tokenizer
-    engine = Engine(
-        checkpoint.model,
-        config,
-        eos_token_id=tokenizer.eos_token_ids,
-        token_bytes=tokenizer.token_bytes,
-    )
-    model = _served_model(checkpoint, args.model, config)
+    model = _served_model(checkpoint, args.model, engine.config)
     try:
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(_serve(AsyncEngine(engine), model, host, port, args.shutdown_timeout))
