@@ -5,7 +5,7 @@ What is honoured: ``model`` (else the server's default), ``instructions`` (a sys
 message before the input), ``input`` as a string (one user message) or a list of input
 items, ``max_output_tokens``, ``temperature``, ``top_p``, ``stream``, function ``tools``,
 ``tool_choice``, ``parallel_tool_calls`` and ``text.format``, plus Sluice's
-``ignore_eos`` (as for the other dialects). Fields that change nothing here (``store``,
+``ignore_eos`` and ``speculative`` (as for the other dialects). Fields that change nothing here (``store``,
 ``metadata``, ``user``, ``reasoning``, ``include``, ``stream_options``, ...) are ignored, as
 other OpenAI-compatible servers do. Refused with a 400 naming the field, decisions:
 
@@ -128,6 +128,7 @@ class ResponsesBody(_Lenient):
     parallel_tool_calls: bool | None = None
     text: _TextConfig | None = None
     ignore_eos: bool = False  # vLLM's extension, as for the other dialects
+    speculative: bool = True  # ours: false opts out of speculative decoding
     # Decision 5: refused when set.
     previous_response_id: object = None
     conversation: object = None
@@ -341,6 +342,7 @@ def parse_responses(payload: object, limits: RequestLimits) -> ParsedRequest:
         temperature=body.temperature,
         top_p=body.top_p,
         ignore_eos=body.ignore_eos,
+        speculative=body.speculative,
         tools=tools,
         tool_choice=_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls,

@@ -124,6 +124,7 @@ class MessagesBody(_Lenient):
     top_k: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
     stream: bool = False
     ignore_eos: bool = False  # as for OpenAI requests (vLLM's extension)
+    speculative: bool = True  # ours, as for OpenAI requests
 
 
 def _explain(exc: ValidationError) -> tuple[str, str | None]:
@@ -253,6 +254,7 @@ def parse_anthropic_messages(payload: object, limits: RequestLimits) -> ParsedRe
         top_k=body.top_k,
         stop=tuple(body.stop_sequences or ()),
         ignore_eos=body.ignore_eos,
+        speculative=body.speculative,
         tools=anthropic_tools(body.tools),
         tool_choice=tool_choice,
         parallel_tool_calls=parallel_tool_calls,

@@ -133,6 +133,7 @@ class UIChatBody(_Lenient):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     ignore_eos: bool = False  # vLLM's extension, as for the other dialects
+    speculative: bool = True  # ours: false opts out of speculative decoding
     stream: bool = True  # decision 7
 
 
@@ -200,6 +201,7 @@ def parse_ui_chat(payload: object, limits: RequestLimits) -> ParsedRequest:
         top_p=body.top_p,
         seed=body.seed,
         ignore_eos=body.ignore_eos,
+        speculative=body.speculative,
     )
     return ParsedRequest(body.model or limits.default_model, generation, stream=body.stream)
 
