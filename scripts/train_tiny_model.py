@@ -146,6 +146,37 @@ def greedy(model: GPT2LMHeadModel, tokenizer: Tokenizer, prompt: str, tokens: in
     return str(tokenizer.decode(ids))
 
 
+def save_checkpoint(model: GPT2LMHeadModel, tokenizer: Tokenizer, out: Path, eos_id: int) -> None:
+    """Write ``model`` in Hugging Face format: ``config.json``, fp16 ``model.safetensors``
+    (the LM head tied to the embeddings), ``tokenizer.json``."""
+    config = model.config
+    out.mkdir(parents=True, exist_ok=True)
+    state = {
+        k: v.detach().to(torch.float16).contiguous()
+        for k, v in model.state_dict().items()
+        if k != "lm_head.weight"  # tied to transformer.wte.weight, as in Hugging Face
+    }
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    hf_config = {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "activation_function": "gelu_new",
+        "vocab_size": config.vocab_size,
+        "n_positions": config.n_positions,
+        "n_ctx": config.n_positions,
+        "n_embd": config.n_embd,
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "layer_norm_epsilon": config.layer_norm_epsilon,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float16",
+    }
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    tokenizer.save(str(out / "tokenizer.json"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="output checkpoint directory")
@@ -221,31 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     for prompt in ("Return the", "The socket"):
         print(f"sample: {prompt!r} -> {greedy(model, tokenizer, prompt, 40)!r}", flush=True)
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    state = {
-        k: v.detach().to(torch.float16).contiguous()
-        for k, v in model.state_dict().items()
-        if k != "lm_head.weight"  # tied to transformer.wte.weight, as in Hugging Face
-    }
-    save_file(state, str(args.out / "model.safetensors"), metadata={"format": "pt"})
-    hf_config = {
-        "model_type": "gpt2",
-        "architectures": ["GPT2LMHeadModel"],
-        "activation_function": "gelu_new",
-        "vocab_size": config.vocab_size,
-        "n_positions": config.n_positions,
-        "n_ctx": config.n_positions,
-        "n_embd": config.n_embd,
-        "n_layer": config.n_layer,
-        "n_head": config.n_head,
-        "layer_norm_epsilon": config.layer_norm_epsilon,
-        "bos_token_id": eos_id,
-        "eos_token_id": eos_id,
-        "tie_word_embeddings": True,
-        "torch_dtype": "float16",
-    }
-    (args.out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    tokenizer.save(str(args.out / "tokenizer.json"))
+    save_checkpoint(model, tokenizer, args.out, eos_id)
     print(f"saved {args.out} after {step} steps", flush=True)
     return 0
 

@@ -58,6 +58,7 @@ from sluice.gateway.settings import (
     Settings,
 )
 from sluice.observability.logs import LOG_FORMATS, configure_logging
+from sluice.startup import freeze_startup_objects
 from sluice.streams.log import LogLimits
 from sluice.streams.redis_hub import DEFAULT_LEASE_S, ClusterSettings
 from sluice.streams.shared import REDIS_URL_ENV, SharedStreams, shared_token_secret
@@ -728,6 +729,9 @@ class _Server(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        # The app, the model and the runtime are built: full collections walk only what
+        # serving makes from now on (sluice.startup).
+        freeze_startup_objects()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # A signal handler runs between any two bytecodes: hand over to the loop.

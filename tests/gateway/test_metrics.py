@@ -375,3 +375,10 @@ def test_every_series_the_vllm_dashboard_queries_exists_for_every_served_model(
             wanted -= KV_CACHE_SERIES
         assert sorted(wanted - present) == [], model
     assert total(samples, "vllm:gpu_cache_usage_perc", model_name="sluice-tiny") >= 0
+
+
+def test_a_served_process_freezes_its_start_up_objects(quiet_server: ServerProcess) -> None:
+    """``sluice serve`` moves what it built before serving (torch, the model, the app) out
+    of the collector's reach, so a full collection does not pause every stream for it."""
+    frozen = value(scrape(quiet_server), "sluice_gc_frozen_objects")
+    assert frozen > 50_000  # a process that imported torch holds about 240,000

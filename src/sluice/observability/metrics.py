@@ -69,6 +69,9 @@ metric                                      what
                                             roll_back, start, pause) and ``by`` (auto, admin)
 ``sluice_rollout_weight_percent``           each alias version's share of new streams
                                             (gauge, by ``alias`` and ``model_version``)
+``sluice_gc_frozen_objects``                objects the process froze in the garbage
+                                            collector's permanent generation once it had
+                                            started (gauge; :mod:`sluice.startup`)
 ``vllm:*``                                  see :mod:`sluice.observability.vllm`
 =========================================== =================================================
 """
@@ -76,6 +79,7 @@ metric                                      what
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -190,6 +194,13 @@ class Metrics:
             registry=registry,
         )
         self.log_bytes = Gauge("sluice_event_log_bytes", "Event log memory", registry=registry)
+        # Frozen by a serving process once it has started (sluice.startup): a full
+        # collection does not walk them. 0 in a process that serves an app of its own.
+        Gauge(
+            "sluice_gc_frozen_objects",
+            "Objects in the garbage collector's permanent generation",
+            registry=registry,
+        ).set_function(gc.get_freeze_count)
         self.evictions = Counter(
             "sluice_streams_evicted", "Streams evicted", ("reason",), registry=registry
         )

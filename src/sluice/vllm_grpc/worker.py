@@ -43,6 +43,7 @@ from sluice.engine.models.llama import LlamaConfig
 from sluice.engine.sampling_params import SamplingParams
 from sluice.errors import ConfigError
 from sluice.grpc_api import hosting
+from sluice.startup import freeze_startup_objects
 from sluice.vllm_grpc.proto import SERVICE
 from sluice.vllm_grpc.servicer import EngineServicer, ServedModel
 from sluice.vllm_grpc.tokenizer_bundle import ModelFiles, write_bundle
@@ -156,6 +157,7 @@ async def _serve(
         )
         server.add_generic_rpc_handlers((EngineServicer(driver, model).handler(),))
         bound, health_servicer = await hosting.start(server, SERVICE, host, port)
+        freeze_startup_objects()  # full collections walk only what serving makes (startup.py)
         shown = f"[{host}]" if ":" in host else host
         print(f"Sluice worker {__version__}: serving {model.name} on {shown}:{bound}", flush=True)
         await stop.wait()
