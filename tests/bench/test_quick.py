@@ -71,6 +71,14 @@ def test_sse_fanout_quick_run_holds_every_stream_and_delivers_every_engine_token
     assert delivered[1] == delivered[2] != "—", delivered
 
 
+def test_fanout_floor_quick_run_counts_every_token_of_the_floor_sluice_and_sse_starlette() -> None:
+    output = run_quick("fanout_floor")
+    # Exit 0 already means no token missing or doubled on any of the three servers.
+    for server in ("floor", "sluice", "sse-starlette"):
+        assert table_row(output, f"| 50 (2,500) | {server} |")[2] != "—"
+    assert "One `send` of a token frame on loopback here" in output
+
+
 def test_engine_throughput_quick_run_matches_transformers_greedy_output() -> None:
     output = run_quick("engine_throughput")
     assert "| ours / HF static batch |" in output
