@@ -119,14 +119,20 @@ class KVCache:
         """Store ``k`` and ``v`` (``[num_tokens, num_kv_heads, head_dim]``) at ``slots``."""
         self._check_layer(layer)
         expected = (slots.numel(), self.num_kv_heads, self.head_dim)
-        if tuple(k.shape) != expected or tuple(v.shape) != expected:
+        if k.shape != expected or v.shape != expected:
             raise KVCacheError(
                 f"k and v must have shape {expected}, got {tuple(k.shape)} and {tuple(v.shape)}"
             )
         flat_k, flat_v = self.flat_k[layer], self.flat_v[layer]
-        slots = slots.long()
-        flat_k.index_copy_(0, slots, k.detach().to(flat_k.dtype))
-        flat_v.index_copy_(0, slots, v.detach().to(flat_v.dtype))
+        # Each conversion only where needed: this runs per layer and step.
+        if slots.dtype != torch.long:
+            slots = slots.long()
+        if k.requires_grad or v.requires_grad:
+            k, v = k.detach(), v.detach()
+        if k.dtype != flat_k.dtype or v.dtype != flat_v.dtype:
+            k, v = k.to(flat_k.dtype), v.to(flat_v.dtype)
+        flat_k.index_copy_(0, slots, k)
+        flat_v.index_copy_(0, slots, v)
 
     def gather(
         self, layer: int, block_table: Sequence[int] | torch.Tensor, context_len: int

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from sluice.engine.kv_cache import KVCache
-from sluice.engine.models.step import StepSequence
+from sluice.engine.models.step import StepLayout, StepSequence
 from sluice.engine.scheduler import ScheduledBatch
 from sluice.engine.sequence import SequenceStatus
 
@@ -48,6 +48,16 @@ class PagedModel(Protocol):
         seqs: Sequence[StepSequence],
         kv_cache: KVCache,
     ) -> torch.Tensor: ...
+
+    def decode(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        layout: StepLayout,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        """Logits of every token of a step of decodes laid out by the caller, unchecked."""
+        ...
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> KVCache: ...
 
@@ -121,6 +131,15 @@ class ModelRunner:
                 out[item.seq.seq_id] = logits[row : row + model_slice.num_logits]
             row += model_slice.num_logits
         return out
+
+    def decode(self, input_ids: torch.Tensor, layout: StepLayout) -> torch.Tensor:
+        """One step of decodes (a token a sequence, ``input_ids`` in ``layout``'s order)
+        whose layout the caller made and checked
+        (:class:`~sluice.engine.models.decode.DecodeRounds`); ``[num_tokens, vocab]``."""
+        if torch.is_inference_mode_enabled():  # a draft's rounds: entering again costs
+            return self.model.decode(input_ids, layout.positions, layout, self.kv_cache)
+        with torch.inference_mode():
+            return self.model.decode(input_ids, layout.positions, layout, self.kv_cache)
 
     def forward(self, slices: Sequence[ModelSlice]) -> torch.Tensor:
         """Run the model once over ``slices``; ``[sum of num_logits, vocab]`` logits."""

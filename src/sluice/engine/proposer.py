@@ -12,6 +12,12 @@ the tokens it has not seen (the prompt, the tokens of steps that did not specula
 tokens that replaced its rejected drafts) in one chunk before drafting. It remembers, per
 sequence, how far its K/V is valid, and starts over when the sequence got new blocks
 (preempted and re-admitted: ``Sequence.num_allocations`` changed).
+
+Its later rounds (one token a sequence, at the next position, through the same blocks) are
+laid out once per :meth:`DraftModelProposer.propose` by
+:class:`~sluice.engine.models.decode.DecodeRounds` and run by the model's ``decode``, and
+greedy drafts stay one tensor a round (the token ids become Python ints once, at the end):
+each round is then mostly the draft model's own arithmetic.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Protocol
 import torch
 
 from sluice.engine.model_runner import ModelRunner, ModelSlice, PagedModel
+from sluice.engine.models.decode import DecodeRounds
 from sluice.engine.sampler import filter_logits
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.sequence import Sequence
@@ -122,28 +129,8 @@ class DraftModelProposer:
             return {}
         slices = [self._catch_up(request) for request in requests]
         self._num_caught_up = sum(len(s.token_ids) - 1 for s in slices)
-        tokens: list[list[int]] = [[] for _ in requests]
-        probs: list[list[torch.Tensor]] = [[] for _ in requests]
-        active = list(range(len(requests)))
-        logits = self.runner.forward(slices)
-        for round_ in range(max(request.num_tokens for request in requests)):
-            if round_:
-                active = [i for i in active if requests[i].num_tokens > round_]
-                logits = self.runner.forward(
-                    [
-                        ModelSlice(
-                            [tokens[i][-1]],
-                            requests[i].seq.num_tokens + round_ - 1,
-                            requests[i].seq.block_table,
-                        )
-                        for i in active
-                    ]
-                )
-            for row, i in enumerate(active):
-                token, q = self._draw(logits[row], requests[i])
-                tokens[i].append(token)
-                if q is not None:
-                    probs[i].append(q)
+        with torch.inference_mode():
+            tokens, probs = self._draft(requests, self.runner.forward(slices))
         drafts: dict[int, Draft] = {}
         for i, request in enumerate(requests):
             seq = request.seq
@@ -154,6 +141,49 @@ class DraftModelProposer:
                 tuple(tokens[i]), torch.stack(probs[i]) if probs[i] else None
             )
         return drafts
+
+    def _draft(
+        self, requests: Sequence_[DraftRequest], logits: torch.Tensor
+    ) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+        """Each request's drafts and, when sampled, their ``q``: round 0 from ``logits``
+        (the catch-up's), the later rounds run here."""
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        num_rounds = max(request.num_tokens for request in requests)
+        # Round r >= 1 runs each request's draft r at position num_tokens + r - 1.
+        rounds = (
+            DecodeRounds(
+                [request.seq.block_table for request in requests],
+                [request.seq.num_tokens for request in requests],
+                [max(1, request.num_tokens - 1) for request in requests],
+                self.runner.kv_cache,
+                max_positions=self.n_positions,
+            )
+            if num_rounds > 1
+            else None
+        )
+        active = list(range(len(requests)))  # the requests of this round, in packed order
+        drafted: list[tuple[list[int], torch.Tensor]] = []  # each round's (active, tokens)
+        ids = torch.empty(0, dtype=torch.long)
+        for round_ in range(num_rounds):
+            if rounds is not None and round_:
+                keep = [row for row, i in enumerate(active) if requests[i].num_tokens > round_]
+                if len(keep) < len(active):
+                    active = [active[row] for row in keep]
+                    ids = ids[torch.tensor(keep, device=ids.device)]
+                rows = active if len(active) < len(requests) else None
+                logits = self.runner.decode(ids, rounds.layout(round_ - 1, rows))
+            ids = logits.argmax(dim=-1)
+            for row, i in enumerate(active):
+                if not requests[i].params.greedy:
+                    token, q = self._sample(logits[row], requests[i])
+                    ids[row] = token
+                    probs[i].append(q)
+            drafted.append((active, ids))
+        tokens: list[list[int]] = [[] for _ in requests]
+        for active, round_ids in drafted:
+            for i, token in zip(active, round_ids.tolist(), strict=True):
+                tokens[i].append(token)
+        return tokens, probs
 
     def _catch_up(self, request: DraftRequest) -> ModelSlice:
         """The slice that brings the draft's K/V up to the sequence's last token."""
@@ -175,8 +205,6 @@ class DraftModelProposer:
         return ModelSlice(seq.token_ids[start:], start, seq.block_table)
 
     @staticmethod
-    def _draw(logits: torch.Tensor, request: DraftRequest) -> tuple[int, torch.Tensor | None]:
-        if request.params.greedy:
-            return int(torch.argmax(logits)), None
+    def _sample(logits: torch.Tensor, request: DraftRequest) -> tuple[int, torch.Tensor]:
         q = torch.softmax(filter_logits(logits, request.params), dim=-1).cpu()
         return int(torch.multinomial(q, 1, generator=request.generator)), q

@@ -20,6 +20,10 @@ Deliberate divergences from Hugging Face ``GPT2LMHeadModel``:
 2. HF's non-persistent ``attn.bias`` / ``attn.masked_bias`` causal-mask buffers are absent;
    load older checkpoints that carry them with ``strict=False`` or drop those keys.
 3. Only the logits of each sequence's last new token are computed.
+
+:meth:`GPT2LMHeadModel.decode` runs a step of decodes whose layout the caller made
+(:class:`~sluice.engine.models.decode.DecodeRounds`, a draft model's rounds): no checks, no
+layout, the logits of every token.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice.engine.kv_cache import KVCache
+from sluice.engine.models.head import LMHead
 from sluice.engine.models.step import (
     StepError,
     StepLayout,
@@ -160,9 +165,21 @@ class GPT2Block(nn.Module):
         layout: StepLayout,
         kv_cache: KVCache,
     ) -> torch.Tensor:
-        hidden = hidden + self.attn(self.ln_1(hidden), layout, kv_cache)
-        out: torch.Tensor = hidden + self.mlp(self.ln_2(hidden))
-        return out
+        # GPT2Attention's and GPT2MLP's arithmetic over their parameters, inlined: a call
+        # through nn.Module.__call__ per part was a tenth of a small model's decode step.
+        ln_1, attn, ln_2, mlp = self.ln_1, self.attn, self.ln_2, self.mlp
+        c_attn, attn_proj, c_fc, mlp_proj = attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj
+        num_tokens = hidden.shape[0]
+        x = F.layer_norm(hidden, ln_1.normalized_shape, ln_1.weight, ln_1.bias, ln_1.eps)
+        qkv = torch.addmm(c_attn.bias, x, c_attn.weight)
+        q, k, v = qkv.view(num_tokens, 3, attn.num_heads, attn.head_dim).unbind(dim=1)
+        kv_cache.write(attn.layer_index, layout.slots, k, v)
+        attended = paged_attention(q, layout, kv_cache, attn.layer_index)
+        hidden = hidden + torch.addmm(attn_proj.bias, attended, attn_proj.weight)
+        x = F.layer_norm(hidden, ln_2.normalized_shape, ln_2.weight, ln_2.bias, ln_2.eps)
+        # gelu_new is GELU with the tanh approximation.
+        x = F.gelu(torch.addmm(c_fc.bias, x, c_fc.weight), approximate="tanh")
+        return hidden + torch.addmm(mlp_proj.bias, x, mlp_proj.weight)
 
 
 class GPT2Model(nn.Module):
@@ -190,6 +207,7 @@ class GPT2LMHeadModel(nn.Module):
         self.transformer = GPT2Model(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight
+        self._head = LMHead(self.lm_head)
 
     def make_kv_cache(
         self,
@@ -236,10 +254,37 @@ class GPT2LMHeadModel(nn.Module):
             head_dim=config.head_dim,
             max_positions=config.n_positions,
         )
+        hidden = self._hidden(input_ids, positions, layout, kv_cache)
+        return self._logits(hidden[last_token_indices(seqs, hidden.device)])
+
+    def decode(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        layout: StepLayout,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        """Logits ``[num_tokens, vocab_size]`` of every packed token of a step of decodes
+        (one new token a sequence) laid out by the caller, unchecked."""
+        return self._logits(self._hidden(input_ids, positions, layout, kv_cache))
+
+    def _hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        layout: StepLayout,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
         transformer = self.transformer
-        hidden: torch.Tensor = transformer.wte(input_ids) + transformer.wpe(positions)
+        hidden = F.embedding(input_ids, transformer.wte.weight) + F.embedding(
+            positions, transformer.wpe.weight
+        )
         for block in transformer.h:
             hidden = block(hidden, layout, kv_cache)
-        last = last_token_indices(seqs, hidden.device)
-        logits: torch.Tensor = self.lm_head(transformer.ln_f(hidden[last]))
-        return logits
+        return hidden
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        ln_f = self.transformer.ln_f
+        return self._head(
+            F.layer_norm(hidden, ln_f.normalized_shape, ln_f.weight, ln_f.bias, ln_f.eps)
+        )

@@ -20,6 +20,9 @@ Deliberate divergences from Hugging Face ``LlamaForCausalLM``:
 2. ``rope_scaling``, a ``rope_type`` other than ``default``, and attention or MLP biases
    are not supported (rejected by :meth:`LlamaConfig.from_hf_config`).
 3. Only the logits of each sequence's last new token are computed.
+
+:meth:`LlamaForCausalLM.decode` runs a step of decodes laid out by the caller, as
+GPT-2's does.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sluice.engine.kv_cache import KVCache
+from sluice.engine.models.head import LMHead
 from sluice.engine.models.step import (
     StepLayout,
     StepSequence,
@@ -298,6 +302,7 @@ class LlamaForCausalLM(nn.Module):
                 nn.init.normal_(module.weight, std=0.02)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self._head = LMHead(self.lm_head)
 
     def make_kv_cache(
         self,
@@ -344,12 +349,31 @@ class LlamaForCausalLM(nn.Module):
             head_dim=config.head_dim,
             max_positions=config.n_positions,
         )
+        hidden = self._hidden(input_ids, positions, layout, kv_cache)
+        return self._head(self.model.norm(hidden[last_token_indices(seqs, hidden.device)]))
+
+    def decode(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        layout: StepLayout,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        """Logits ``[num_tokens, vocab_size]`` of every packed token of a step of decodes
+        (one new token a sequence) laid out by the caller, unchecked."""
+        return self._head(self.model.norm(self._hidden(input_ids, positions, layout, kv_cache)))
+
+    def _hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        layout: StepLayout,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
         hidden: torch.Tensor = self.model.embed_tokens(input_ids)
         cos, sin = rotary_cos_sin(
             positions, self.config.head_dim, self.config.rope_theta, hidden.dtype
         )
         for layer in self.model.layers:
             hidden = layer(hidden, cos, sin, layout, kv_cache)
-        last = last_token_indices(seqs, hidden.device)
-        logits: torch.Tensor = self.lm_head(self.model.norm(hidden[last]))
-        return logits
+        return hidden
