@@ -7,8 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sluice.engine.acceptance import accept_greedy, accept_sampled, rejection_sample
-from sluice.engine.sampler import filter_logits
+from sluice.engine.acceptance import (
+    accept,
+    accept_greedy,
+    accept_greedy_many,
+    accept_sampled,
+    rejection_sample,
+)
+from sluice.engine.sampler import NonFiniteLogitsError, filter_logits
 from sluice.engine.sampling_params import SamplingParams
 
 NUM_DRAWS = 200_000
@@ -34,6 +40,26 @@ def test_greedy_keeps_the_accepted_prefix_and_adds_the_correction() -> None:
 def test_greedy_all_accepted_adds_the_bonus_token() -> None:
     assert accept_greedy([5, 6], [5, 6, 8]) == [5, 6, 8]
     assert accept_greedy([], [3]) == [3]
+
+
+def test_greedy_verifies_in_one_pass_are_each_sequences_own() -> None:
+    generator = torch.Generator().manual_seed(0)
+    drafts: list[list[int]] = [[3, 1, 4], [], [5, 9]]
+    rows = [torch.randn(len(draft) + 1, VOCAB, generator=generator) for draft in drafts]
+    # The first sequence's first draft is the target's argmax: it is kept.
+    drafts[0][0] = int(rows[0][0].argmax())
+    rows[2][1, 0] = float("nan")  # the third sequence's second row is broken
+    outcomes = accept_greedy_many(torch.cat(rows), drafts)
+    greedy = SamplingParams(temperature=0)
+    for outcome, row, draft in zip(outcomes[:2], rows, drafts, strict=False):
+        assert not isinstance(outcome, Exception)
+        tokens, logprobs = accept(row, draft, None, greedy)
+        assert outcome[0] == tokens
+        assert outcome[1] == pytest.approx(logprobs, abs=1e-6)
+    assert len(outcomes[0][0]) >= 2  # type: ignore[index]
+    assert isinstance(outcomes[2], NonFiniteLogitsError)
+    with pytest.raises(ValueError, match="need 8 rows"):
+        accept_greedy_many(torch.zeros(7, VOCAB), drafts)
 
 
 def test_greedy_rejects_a_target_row_count_that_does_not_fit() -> None:

@@ -21,6 +21,9 @@ prefix and adds one more token, so a step yields between 1 and ``k + 1`` tokens:
 target samples from without speculation.
 
 Nothing here knows of sequences or caches: tensors and token ids in, token ids out.
+:func:`accept_greedy_many` applies the greedy rule to many sequences' rows in one pass (one
+argmax, one log-softmax), as the sampler does for plain greedy rows: per sequence, those few
+tensor calls were most of a 64-sequence step's verify bookkeeping.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 from sluice.engine.sampler import NonFiniteLogitsError, filter_logits
 from sluice.engine.sampling_params import SamplingParams
 
-__all__ = ["accept", "accept_greedy", "accept_sampled", "rejection_sample"]
+__all__ = ["accept", "accept_greedy", "accept_greedy_many", "accept_sampled", "rejection_sample"]
 
 
 def accept_greedy(draft_token_ids: Sequence[int], target_token_ids: Sequence[int]) -> list[int]:
@@ -50,6 +53,35 @@ def accept_greedy(draft_token_ids: Sequence[int], target_token_ids: Sequence[int
             return emitted
     emitted.append(target_token_ids[-1])
     return emitted
+
+
+def accept_greedy_many(
+    logits: torch.Tensor, drafts: Sequence[Sequence[int]]
+) -> list[tuple[list[int], list[float]] | NonFiniteLogitsError]:
+    """Greedy verifies of several sequences at once: ``logits`` stacks each one's ``[k_i +
+    1, vocab]`` rows, in the order of ``drafts`` (each one's draft tokens). Per sequence, what
+    :func:`accept` returns for greedy params (the emitted tokens and their logprobs), or a
+    :class:`~sluice.engine.sampler.NonFiniteLogitsError` for a sequence with a broken row."""
+    num_rows = sum(len(draft) + 1 for draft in drafts)
+    if logits.dim() != 2 or logits.shape[0] != num_rows:
+        raise ValueError(f"drafts need {num_rows} rows of logits, got {tuple(logits.shape)}")
+    rows = logits.float()
+    finite = torch.isfinite(rows.max(dim=-1).values).tolist()
+    argmax = rows.argmax(dim=-1)
+    # The emitted tokens are the target's argmax at their positions: so are their logprobs.
+    chosen = torch.log_softmax(rows, dim=-1).gather(1, argmax[:, None])[:, 0].tolist()
+    target_tokens = argmax.tolist()
+    results: list[tuple[list[int], list[float]] | NonFiniteLogitsError] = []
+    start = 0
+    for draft in drafts:
+        end = start + len(draft) + 1
+        if not all(finite[start:end]):
+            results.append(NonFiniteLogitsError())
+        else:
+            tokens = accept_greedy(draft, target_tokens[start:end])
+            results.append((tokens, chosen[start : start + len(tokens)]))
+        start = end
+    return results
 
 
 def rejection_sample(

@@ -307,8 +307,9 @@ class Engine:
                 results[request_id] = (
                     one if isinstance(one, Exception) else ([one.token_id], [one.logprob])
                 )
+        results.update(self._verify_greedy(logits, drafts))
         for request_id, draft in drafts.items():
-            if request_id in self._requests:
+            if request_id in self._requests and request_id not in results:
                 results[request_id] = self._verify(request_id, logits[request_id], draft)
         produced_at = time.monotonic()
         sampled: dict[int, tuple[int, ...]] = {}
@@ -361,6 +362,26 @@ class Engine:
             )
         except Exception as exc:
             return exc
+
+    def _verify_greedy(
+        self, logits: dict[int, torch.Tensor], drafts: dict[int, Draft]
+    ) -> dict[int, tuple[list[int], list[float]] | Exception]:
+        """The greedy requests' verifies in one pass; {} if that pass raised (each is then
+        verified alone, so that only a faulty row fails)."""
+        greedy = [
+            request_id
+            for request_id in drafts
+            if request_id in self._requests and self._requests[request_id].params.greedy
+        ]
+        if self.speculator is None or not greedy:
+            return {}
+        try:
+            outcomes = self.speculator.verify_greedy(
+                [(logits[request_id], drafts[request_id]) for request_id in greedy]
+            )
+        except Exception:
+            return {}
+        return dict(zip(greedy, outcomes, strict=True))
 
     def _fail(self, request: _Request, exc: Exception, produced_at: float) -> RequestOutput:
         """Abort one request whose row failed (between schedule and postprocess, which then

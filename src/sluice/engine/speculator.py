@@ -14,7 +14,7 @@ from collections.abc import Sequence as Sequence_
 
 import torch
 
-from sluice.engine.acceptance import accept
+from sluice.engine.acceptance import accept, accept_greedy_many
 from sluice.engine.model_runner import PagedModel
 from sluice.engine.proposer import (
     Draft,
@@ -127,11 +127,29 @@ class Speculator:
         """One sequence's emitted tokens and logprobs; raises for a row that cannot be
         sampled (:class:`~sluice.engine.sampler.NonFiniteLogitsError`)."""
         tokens, logprobs = accept(logits, draft.token_ids, draft.probs, params, generator)
-        num_accepted = len(tokens) - 1
-        self.stats.record(len(draft.token_ids), num_accepted)
-        if self.adaptive_k is not None:
-            self.adaptive_k.accepted(len(draft.token_ids), num_accepted)
+        self._count(len(draft.token_ids), len(tokens) - 1)
         return tokens, logprobs
+
+    def verify_greedy(
+        self, rows: Sequence_[tuple[torch.Tensor, Draft]]
+    ) -> list[tuple[list[int], list[float]] | Exception]:
+        """:meth:`verify` of greedy sequences (each one's logits and draft), in one pass
+        (:func:`~sluice.engine.acceptance.accept_greedy_many`); a sequence whose rows cannot
+        be sampled gets its exception in its place."""
+        if not rows:
+            return []
+        outcomes = accept_greedy_many(
+            torch.cat([logits for logits, _ in rows]), [draft.token_ids for _, draft in rows]
+        )
+        for (_, draft), outcome in zip(rows, outcomes, strict=True):
+            if not isinstance(outcome, Exception):
+                self._count(len(draft.token_ids), len(outcome[0]) - 1)
+        return list(outcomes)
+
+    def _count(self, num_drafted: int, num_accepted: int) -> None:
+        self.stats.record(num_drafted, num_accepted)
+        if self.adaptive_k is not None:
+            self.adaptive_k.accepted(num_drafted, num_accepted)
 
     def observe(self, num_decodes: int, num_prefill_tokens: int, k: int, duration_s: float) -> None:
         """The step ran: its cost counts towards ``k`` when it ran decodes alone and its
