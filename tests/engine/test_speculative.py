@@ -87,6 +87,24 @@ def test_adaptive_k_costs_are_the_fastest_recent_steady_steps() -> None:
     assert policy.choose(1) == 0
 
 
+def test_adaptive_k_forgets_costs_measured_on_shorter_contexts() -> None:
+    """Steps grow dearer as contexts grow: k=1's cheap early steps, long ago, do not make it
+    look cheaper than its recent steps next to k=0's recent ones."""
+    policy = AdaptiveK(1, explore_every=16)
+    for _ in range(50):
+        policy.accepted(1, 1 if _ % 4 else 0)  # three in four accepted: E(1) = 1.75
+    for _ in range(3):
+        policy.observe(64, 0, 1.0)
+    for _ in range(3):
+        policy.observe(64, 1, 1.2)  # early, short contexts: k=1 pays
+    assert policy.choose(64) == 1
+    for _ in range(40):
+        policy.observe(64, 0, 2.0)  # contexts grew
+    for _ in range(2):
+        policy.observe(64, 1, 4.0)  # k=1 now costs twice k=0: it does not pay
+    assert [policy.choose(64) for _ in range(3)] == [0, 0, 0]  # chosen, not explored
+
+
 def test_adaptive_k_buckets_batch_sizes_by_powers_of_two() -> None:
     assert [AdaptiveK.bucket(n) for n in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
 

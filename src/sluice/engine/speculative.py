@@ -14,7 +14,10 @@ its expected output: with ``a_i`` the measured rate at which draft position ``i`
 accepted after positions ``1 .. i - 1`` were, a step of ``k`` yields ``E(k) = 1 + a_1 +
 a_1 a_2 + ...`` tokens per sequence, and costs ``cost(b, k)`` seconds at ``b`` decoding
 sequences (measured online, per power-of-two bucket of ``b``, on steps that ran decodes
-only: the fastest of the last 8). Each step takes the ``k`` (0: off) of the highest ``E(k) / cost(b, k)``. A bucket
+only: the fastest of the last 8 that are at most ``explore_every`` of the bucket's steps
+old, else the latest: a step's cost grows with its sequences' context, so a ``k`` measured
+long ago, on shorter contexts, would look cheaper than it is now). Each step takes the
+``k`` (0: off) of the highest ``E(k) / cost(b, k)``. A bucket
 climbs: ``k + 1`` is first tried when ``k`` scores best so far, so a large batch where
 speculation costs more than it yields stays near 0; a larger ``k`` must score 5% better
 than a smaller one. ``explore_every`` steps after the best last changed, the less recently
@@ -178,18 +181,22 @@ class SpecDecodeStats:
 
 @dataclass(slots=True)
 class _Cost:
-    """The last few steady step costs at one bucket and ``k``. Their minimum is the
-    estimate: other work on the machine only ever adds time to a step, so the fastest
-    recent step is the closest to what the step itself costs, and two ``k`` measured at
-    different moments compare fairly."""
+    """The last few steady step costs at one bucket and ``k``, with the bucket's step count
+    when each was measured. The estimate is the fastest recent one: other work on the
+    machine only ever adds time to a step, so the fastest recent step is the closest to what
+    the step itself costs, and two ``k`` measured at different moments compare fairly. Only
+    samples at most ``max_age`` steps old count (the latest when none is): contexts grow, and
+    so does every step's cost."""
 
-    recent: deque[float] = field(default_factory=lambda: deque(maxlen=_NUM_RECENT_COSTS))
+    recent: deque[tuple[int, float]] = field(
+        default_factory=lambda: deque(maxlen=_NUM_RECENT_COSTS)
+    )
     num_samples: int = 0
     last_step: int = 0  # the bucket's step count when it was last measured
 
-    @property
-    def seconds(self) -> float:
-        return min(self.recent)
+    def seconds(self, step: int, max_age: int) -> float:
+        fresh = [seconds for at, seconds in self.recent if step - at <= max_age]
+        return min(fresh) if fresh else self.recent[-1][1]
 
 
 class AdaptiveK:
@@ -230,6 +237,7 @@ class AdaptiveK:
             return 0
         bucket = self.bucket(num_decodes)
         scores: dict[int, float] = {}
+        step = self._num_steps.get(bucket, 0)
         for k in range(self.max_k + 1):
             cost = self._costs.get((bucket, k))
             if cost is None or cost.num_samples < _MIN_COST_SAMPLES:
@@ -237,12 +245,12 @@ class AdaptiveK:
                 if k == 0 or max(scores, key=scores.__getitem__) == k - 1:
                     return k
                 continue
-            scores[k] = self.expected_tokens(k) / max(cost.seconds, 1e-12)
+            seconds = cost.seconds(step, self._explore_every)
+            scores[k] = self.expected_tokens(k) / max(seconds, 1e-12)
         best = min(scores)
         for k in sorted(scores):
             if scores[k] > scores[best] * _MARGIN:
                 best = k
-        step = self._num_steps.get(bucket, 0)
         if self._last_best.get(bucket) != best:  # the best moved: explore at the base rate
             self._last_best[bucket] = best
             self._backoff[bucket] = 1
@@ -271,7 +279,7 @@ class AdaptiveK:
         cost = self._costs.setdefault((bucket, k), _Cost())
         # Costs per sequence: a bucket pools batches of up to twice each other's size.
         seconds = duration_s / num_decodes * bucket
-        cost.recent.append(seconds)
+        cost.recent.append((step, seconds))
         cost.num_samples += 1
         cost.last_step = step
 
