@@ -107,10 +107,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="N = 50, one repetition")
     parser.add_argument("--streams", default="100,300,1000", help="levels of N, comma-separated")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--servers", default=",".join(SERVERS), help=f"comma list of {', '.join(SERVERS)}"
+    )
     parser.add_argument("--ssebench-dir", type=Path, default=BENCH_DIR / "ssebench")
     args = parser.parse_args(argv)
     levels = [50] if args.quick else [int(n) for n in args.streams.split(",")]
     reps = 1 if args.quick else args.reps
+    servers = tuple(name for name in SERVERS if name in args.servers.split(","))
+    if "floor" not in servers:
+        parser.error("--servers: the floor is always measured")
     ssebench = load_ssebench(args.ssebench_dir.resolve())
     ssebench.raise_nofile()
     log_dir = Path(tempfile.mkdtemp(prefix="fanout-floor-"))
@@ -121,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     problems: list[str] = []
     for n in levels:
         for rep in range(reps):
-            order = SERVERS[rep % len(SERVERS) :] + SERVERS[: rep % len(SERVERS)]
+            order = servers[rep % len(servers) :] + servers[: rep % len(servers)]
             for name in order:
                 row = measure(ssebench, name, n, num_tokens, log_dir)
                 results.setdefault((name, n), []).append(row)
@@ -138,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-    for name in SERVERS:
+    for name in servers:
         problems += [f"{name} log: {line}" for line in scan_log(log_dir / f"{name}.log")]
 
     def med(name: str, n: int, key: str, scale: float = 1.0) -> str:
@@ -151,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|")
     verdicts = []
     for n in levels:
-        for name in SERVERS:
+        for name in servers:
             p50, p99 = med(name, n, "e2e_p50_us", 1e-3), med(name, n, "e2e_p99_us", 1e-3)
             cpu = med(name, n, "server_cpu_pct")
             print(f"| {n:,} ({n * 50:,}) | {name} | {p50} / {p99} | {cpu} |")

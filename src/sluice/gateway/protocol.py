@@ -35,6 +35,7 @@ from sluice.transports.answer import Answer, Whole
 from sluice.transports.asgi import Scope
 from sluice.transports.delivery import DeliveryOptions
 from sluice.transports.http1.opener import BodySource, Http1Limits, Refusal, Route
+from sluice.transports.http1.write_batch import WriteBatch
 
 __all__ = ["GatewayOpener"]
 
@@ -111,6 +112,7 @@ class GatewayOpener:
         }
         self._delivery = streams.options
         self._limits = settings.http
+        self._writes = WriteBatch()
 
     @property
     def limits(self) -> Http1Limits:
@@ -119,6 +121,10 @@ class GatewayOpener:
     @property
     def delivery(self) -> DeliveryOptions:
         return self._delivery
+
+    @property
+    def writes(self) -> WriteBatch:
+        return self._writes
 
     def began(self, scope: Scope) -> None:
         stamp_received(scope)

@@ -21,6 +21,7 @@ from typing import Protocol
 from sluice.transports.answer import Answer, Whole
 from sluice.transports.asgi import Scope
 from sluice.transports.delivery import DeliveryOptions
+from sluice.transports.http1.write_batch import WriteBatch
 
 __all__ = ["BodySource", "Http1Limits", "Opener", "Refusal", "Route"]
 
@@ -81,6 +82,11 @@ class Opener(Protocol):
     @property
     def delivery(self) -> DeliveryOptions:
         """How streamed answers are delivered (heartbeats, send timeout, ...)."""
+        ...
+
+    @property
+    def writes(self) -> WriteBatch:
+        """The server's batch of stream writes (one per server: its loop pass)."""
         ...
 
     def began(self, scope: Scope) -> None:

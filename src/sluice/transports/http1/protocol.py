@@ -200,6 +200,7 @@ class NativeExchange:
         "_chunked",
         "_host",
         "_opener",
+        "_pending",
         "_route",
         "_scope",
         "_shutting_down",
@@ -235,6 +236,9 @@ class NativeExchange:
         )
         self._task: asyncio.Task[None] | None = None
         self._shutting_down = False
+        # Body bytes for the opener's write batch (write_batch.py), written at the end of
+        # the loop pass or before anything this exchange writes directly.
+        self._pending: list[bytes] = []
         self.sse: CallbackSSE | None = None
         self.lost = False  # the client left, or the connection gave up on the exchange
         self.responded = False  # its response head is written
@@ -287,13 +291,13 @@ class NativeExchange:
             self._host.exchange_done(self.keep_alive)
             return
         self._head(200, [*SSE_HEADERS, *answer.headers], chunked=self._chunked)
-        transport = self._transport
-        write = self._write_chunk if self._chunked else transport.write
         options = self._opener.delivery
         self.sse = CallbackSSE(
-            Delivery(answer.reader, answer.frames, options), write=write, finish=self._stream_done
+            Delivery(answer.reader, answer.frames, options),
+            write=self._write_body,
+            finish=self._stream_done,
         )
-        sock = transport.get_extra_info("socket")
+        sock = self._transport.get_extra_info("socket")
         if sock is not None:
             set_write_deadline(sock, kernel_write_deadline_s(options))
         # The request is fully handled: drop its scope for the life of a possibly hours-long
@@ -315,11 +319,29 @@ class NativeExchange:
             )
         )
 
-    def _write_chunk(self, body: bytes) -> None:
-        self._transport.write(chunk(body))
+    def _write_body(self, body: bytes) -> None:
+        """Queue ``body`` (a chunk, or raw bytes for a client without chunked coding) for
+        the write batch."""
+        if not self._pending:
+            self._opener.writes.add(self)
+        self._pending.append(chunk(body) if self._chunked else body)
+
+    def flush(self) -> None:
+        """Write what is pending (the write batch's call, or before a direct write)."""
+        pending = self._pending
+        if not pending:
+            return
+        data = pending[0] if len(pending) == 1 else b"".join(pending)
+        pending.clear()
+        if not self.lost and not self._transport.is_closing():
+            self._transport.write(data)
 
     def _stream_done(self, clean: bool) -> None:
         self.sse = None
+        if clean:
+            self.flush()
+        else:
+            self._pending.clear()  # a stuck or interrupted peer gets no more
         if self.lost or self._transport.is_closing():
             return
         if not clean:  # a stuck or interrupted peer: drop what it did not take, and the socket
@@ -354,6 +376,7 @@ class NativeExchange:
 
     def connection_lost(self) -> None:
         self.lost = True
+        self._pending.clear()
         if self._body is not None:
             self._body.lost()
         if self._task is not None:
