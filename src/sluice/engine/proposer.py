@@ -13,8 +13,9 @@ tokens that replaced its rejected drafts) in one chunk before drafting. It remem
 sequence, how far its K/V is valid, and starts over when the sequence got new blocks
 (preempted and re-admitted: ``Sequence.num_allocations`` changed).
 
-Its later rounds (one token a sequence, at the next position, through the same blocks) are
-laid out once per :meth:`DraftModelProposer.propose` by
+Its rounds (one token a sequence, at the next position, through the same blocks; the
+catch-up too, when it is one token a sequence, as after a rejection) are laid out once per
+:meth:`DraftModelProposer.propose` by
 :class:`~sluice.engine.models.decode.DecodeRounds` and run by the model's ``decode``, and
 greedy drafts stay one tensor a round (the token ids become Python ints once, at the end):
 each round is then mostly the draft model's own arithmetic.
@@ -130,7 +131,7 @@ class DraftModelProposer:
         slices = [self._catch_up(request) for request in requests]
         self._num_caught_up = sum(len(s.token_ids) - 1 for s in slices)
         with torch.inference_mode():
-            tokens, probs = self._draft(requests, self.runner.forward(slices))
+            tokens, probs = self._draft(requests, slices)
         drafts: dict[int, Draft] = {}
         for i, request in enumerate(requests):
             seq = request.seq
@@ -143,35 +144,38 @@ class DraftModelProposer:
         return drafts
 
     def _draft(
-        self, requests: Sequence_[DraftRequest], logits: torch.Tensor
+        self, requests: Sequence_[DraftRequest], slices: Sequence_[ModelSlice]
     ) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
-        """Each request's drafts and, when sampled, their ``q``: round 0 from ``logits``
-        (the catch-up's), the later rounds run here."""
+        """Each request's drafts and, when sampled, their ``q``. Round ``r`` runs at position
+        ``num_tokens - 1 + r``: round 0 the catch-up (a decode when every request has one
+        token to catch up on, as after a rejection), round ``r >= 1`` draft ``r``."""
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         num_rounds = max(request.num_tokens for request in requests)
-        # Round r >= 1 runs each request's draft r at position num_tokens + r - 1.
-        rounds = (
-            DecodeRounds(
-                [request.seq.block_table for request in requests],
-                [request.seq.num_tokens for request in requests],
-                [max(1, request.num_tokens - 1) for request in requests],
-                self.runner.kv_cache,
-                max_positions=self.n_positions,
-            )
-            if num_rounds > 1
-            else None
+        rounds = DecodeRounds(
+            [request.seq.block_table for request in requests],
+            [request.seq.num_tokens - 1 for request in requests],
+            [request.num_tokens for request in requests],
+            self.runner.kv_cache,
+            max_positions=self.n_positions,
         )
+        if all(len(model_slice.token_ids) == 1 for model_slice in slices):
+            last = [model_slice.token_ids[0] for model_slice in slices]
+            logits = self.runner.decode(
+                torch.tensor(last, device=self.runner.device), rounds.layout(0)
+            )
+        else:
+            logits = self.runner.forward(slices)
         active = list(range(len(requests)))  # the requests of this round, in packed order
         drafted: list[tuple[list[int], torch.Tensor]] = []  # each round's (active, tokens)
         ids = torch.empty(0, dtype=torch.long)
         for round_ in range(num_rounds):
-            if rounds is not None and round_:
+            if round_:
                 keep = [row for row, i in enumerate(active) if requests[i].num_tokens > round_]
                 if len(keep) < len(active):
                     active = [active[row] for row in keep]
                     ids = ids[torch.tensor(keep, device=ids.device)]
                 rows = active if len(active) < len(requests) else None
-                logits = self.runner.decode(ids, rounds.layout(round_ - 1, rows))
+                logits = self.runner.decode(ids, rounds.layout(round_, rows))
             ids = logits.argmax(dim=-1)
             for row, i in enumerate(active):
                 if not requests[i].params.greedy:
