@@ -105,6 +105,27 @@ def test_adaptive_k_forgets_costs_measured_on_shorter_contexts() -> None:
     assert [policy.choose(64) for _ in range(3)] == [0, 0, 0]  # chosen, not explored
 
 
+def test_adaptive_k_switches_on_only_when_the_saving_pays_for_the_catch_up() -> None:
+    """After steps without drafts, a draft model catches up on every token since: a k that
+    saves less over explore_every steps than that costs is not switched on, but a k whose
+    catch-up is paid (an exploration's) is kept while it scores best."""
+    policy = AdaptiveK(1, explore_every=16)
+    for _ in range(50):
+        policy.accepted(1, 1 if _ % 4 else 0)  # E(1) = 1.75
+    for _ in range(3):
+        policy.observe(64, 0, 1.0)
+    policy.observe(64, 1, 20.0, steady=False)  # the first k=1 step caught up: 19 extra
+    for _ in range(3):
+        policy.observe(64, 1, 1.6)  # 1.75 tokens for 1.6: saves 0.15 a step
+    assert policy.choose(64) == 1  # caught up already: kept
+    for _ in range(3):
+        policy.observe(64, 0, 1.0)  # an exploration of k=0: the draft falls behind
+    assert policy.choose(64) == 0  # 16 x 0.15 = 2.4 does not pay 19
+    policy.observe(64, 1, 3.0, steady=False)  # a cheap catch-up: 1.4 extra
+    policy.observe(64, 0, 1.0)
+    assert policy.choose(64) == 1
+
+
 def test_adaptive_k_buckets_batch_sizes_by_powers_of_two() -> None:
     assert [AdaptiveK.bucket(n) for n in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
 

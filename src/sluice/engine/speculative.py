@@ -23,6 +23,12 @@ speculation costs more than it yields stays near 0; a larger ``k`` must score 5%
 than a smaller one. ``explore_every`` steps after the best last changed, the less recently
 measured neighbour of the best is tried again (then ever less often while the best holds,
 up to 16 times further apart), so a change of load or acceptance is seen.
+
+A draft model that did not run for a while catches up on every token since in its next
+step, a one-off cost that is not a step cost (not a sample) but is kept, per bucket, as
+the cost of switching on: after a step without drafts, a ``k`` that scores best is taken
+only if what it saves over ``explore_every`` steps pays for that catch-up (at 64 streams a
+catch-up cost as much as five steps, and speculation saved a few percent a step).
 """
 
 from __future__ import annotations
@@ -217,6 +223,8 @@ class AdaptiveK:
         self._next_explore: dict[int, int] = {}  # per bucket, the step to explore at
         self._backoff: dict[int, int] = {}  # per bucket, explore_every's multiple now
         self._last_best: dict[int, int] = {}
+        self._switch_s: dict[int, float] = {}  # per bucket, the last catch-up's extra cost
+        self._last_k = 0  # the k of the last step observed
 
     @staticmethod
     def bucket(num_decodes: int) -> int:
@@ -251,6 +259,8 @@ class AdaptiveK:
         for k in sorted(scores):
             if scores[k] > scores[best] * _MARGIN:
                 best = k
+        if best and not self._last_k and not self._pays_to_switch(bucket, best, step):
+            best = 0
         if self._last_best.get(bucket) != best:  # the best moved: explore at the base rate
             self._last_best[bucket] = best
             self._backoff[bucket] = 1
@@ -266,19 +276,37 @@ class AdaptiveK:
                 return min(neighbours, key=lambda k: self._costs[bucket, k].last_step)
         return best
 
+    def _pays_to_switch(self, bucket: int, k: int, step: int) -> bool:
+        """Whether ``k``'s saving over ``explore_every`` steps, against no speculation, pays
+        for the catch-up a switch from it costs (the bucket's last one; True if none)."""
+        switch_s = self._switch_s.get(bucket)
+        if switch_s is None:
+            return True
+        cost_0 = self._costs[bucket, 0].seconds(step, self._explore_every)
+        cost_k = self._costs[bucket, k].seconds(step, self._explore_every)
+        saving_s = self._explore_every * (self.expected_tokens(k) * cost_0 - cost_k)
+        return saving_s > switch_s
+
     def observe(self, num_decodes: int, k: int, duration_s: float, *, steady: bool = True) -> None:
         """A step of ``num_decodes`` decodes (and no prefill) at ``k`` took ``duration_s``;
-        one that is not ``steady`` (it did a one-off catch-up) counts as a step only."""
+        one that is not ``steady`` (it did a one-off catch-up) counts as a step, and what
+        it took beyond a step at ``k`` as the bucket's switch cost."""
         if num_decodes == 0 or not 0 <= k <= self.max_k:
             return
+        self._last_k = k
         bucket = self.bucket(num_decodes)
         step = self._num_steps.get(bucket, 0) + 1
         self._num_steps[bucket] = step
-        if not steady:
-            return
-        cost = self._costs.setdefault((bucket, k), _Cost())
         # Costs per sequence: a bucket pools batches of up to twice each other's size.
         seconds = duration_s / num_decodes * bucket
+        if not steady:
+            known = self._costs.get((bucket, k)) or self._costs.get((bucket, 0))
+            if known is not None and known.recent:
+                self._switch_s[bucket] = max(
+                    0.0, seconds - known.seconds(step, self._explore_every)
+                )
+            return
+        cost = self._costs.setdefault((bucket, k), _Cost())
         cost.recent.append((step, seconds))
         cost.num_samples += 1
         cost.last_step = step
