@@ -630,11 +630,12 @@ def report(
             [percentile(results[(t, n)].latency_ms, 0.99) for t in transports],
             ".2f",
         )
-    row(
-        f"server CPU per 1M tokens (s), {top} streams",
-        [results[(t, top)].cpu_s / max(1, results[(t, top)].tokens) * 1e6 for t in transports],
-        ".1f",
-    )
+    for n in levels:
+        row(
+            f"server CPU per 1M tokens (s), {n} streams",
+            [results[(t, n)].cpu_s / max(1, results[(t, n)].tokens) * 1e6 for t in transports],
+            ".1f",
+        )
     row(
         f"bytes on the wire per token, {top} streams",
         [results[(t, top)].bytes_written / max(1, results[(t, top)].tokens) for t in transports],
@@ -652,9 +653,17 @@ def report(
         ".0f",
         ratio=False,
     )
-    cpu = [results[(t, top)].cpu_s / max(1, results[(t, top)].tokens) for t in transports]
+    # The goal is judged where every transport sends every token as its own message: at
+    # the top level the machine cannot keep up, and sse-h1 then coalesces a lagging
+    # reader's tokens (fewer, larger writes), which the others do not.
+    judged = levels[len(levels) // 2]
+    cpu = [results[(t, judged)].cpu_s / max(1, results[(t, judged)].tokens) for t in transports]
     verdict = ["**PASS**" if c <= CPU_GOAL * cpu[0] else "**MISS**" for c in cpu]
-    lines.append(f"| CPU per token within {CPU_GOAL}x of sse-h1 | " + " | ".join(verdict) + " |")
+    lines.append(
+        f"| CPU per token within {CPU_GOAL}x of sse-h1, {judged} streams | "
+        + " | ".join(verdict)
+        + " |"
+    )
     lines.append("")
     lines.append("| transport | gains / loses |")
     lines.append("|---|---|")
