@@ -63,6 +63,16 @@ def test_adaptive_k_turns_off_at_a_batch_where_speculation_costs_more_than_it_yi
     assert policy.choose(64) == 0
 
 
+def test_adaptive_k_climbs_past_a_k_that_loses_narrowly_to_one_that_wins() -> None:
+    """A step's fixed costs (the verify's layout, the draft's catch-up) make k=1 lose to
+    no speculation by 10% where k=3 wins by 20%: the climb goes on past k=1."""
+    policy = AdaptiveK(3)
+    for _ in range(80):
+        policy.accepted(3, 3 if _ % 5 else 0)  # about 0.8 at each position
+    costs = {0: 1.0, 1: 2.0, 2: 2.2, 3: 2.4}
+    assert run_policy(policy, 1, costs, steps=40) == 3
+
+
 def test_adaptive_k_turns_off_when_acceptance_is_low() -> None:
     policy = AdaptiveK(3)
     for _ in range(80):

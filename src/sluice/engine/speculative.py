@@ -18,8 +18,9 @@ only: the fastest of the last 8 that are at most ``explore_every`` of the bucket
 old, else the latest: a step's cost grows with its sequences' context, so a ``k`` measured
 long ago, on shorter contexts, would look cheaper than it is now). Each step takes the
 ``k`` (0: off) of the highest ``E(k) / cost(b, k)``. A bucket
-climbs: ``k + 1`` is first tried when ``k`` scores best so far, so a large batch where
-speculation costs more than it yields stays near 0; a larger ``k`` must score 5% better
+climbs: ``k + 1`` is first tried when ``k`` scores best so far, or less than 25% behind
+the best (a step's fixed costs can make ``k = 1`` lose where ``k = 3`` wins), so a large
+batch where speculation costs more than it yields stays near 0; a larger ``k`` must score 5% better
 than a smaller one. ``explore_every`` steps after the best last changed, the less recently
 measured neighbour of the best is tried again (then ever less often while the best holds,
 up to 16 times further apart), so a change of load or acceptance is seen.
@@ -249,8 +250,11 @@ class AdaptiveK:
         for k in range(self.max_k + 1):
             cost = self._costs.get((bucket, k))
             if cost is None or cost.num_samples < _MIN_COST_SAMPLES:
-                # Climb: a k is first tried when the one below it scores best so far.
-                if k == 0 or max(scores, key=scores.__getitem__) == k - 1:
+                # Climb: a k is first tried when the one below it scores best so far, or
+                # less than _CLEAR_LOSS behind the best.
+                if k == 0 or (
+                    k - 1 in scores and scores[k - 1] * _CLEAR_LOSS >= max(scores.values())
+                ):
                     return k
                 continue
             seconds = cost.seconds(step, self._explore_every)
