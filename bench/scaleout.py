@@ -47,6 +47,7 @@ import redis.asyncio as aioredis
 from sluice.events import Finished, FinishReason, TextDelta
 from sluice.streams.log import EventLog, LogLimits
 from sluice.streams.memory import MemoryEventLog
+from sluice.streams.redis_client import open_redis
 from sluice.streams.redis_log import RedisEventLog
 
 STEP_S = 0.020
@@ -145,7 +146,7 @@ async def deliver(
 
 async def resume_elsewhere(url: str, num_resumes: int) -> list[float]:
     """A stream of 100 events in Redis; another replica attaches and reads from event 50."""
-    client_a, client_b = aioredis.Redis.from_url(url), aioredis.Redis.from_url(url)
+    client_a, client_b = open_redis(url), open_redis(url)
     a, b = RedisEventLog(client_a), RedisEventLog(client_b)
     times: list[float] = []
     async with a.running(), b.running():
@@ -167,7 +168,7 @@ async def resume_elsewhere(url: str, num_resumes: int) -> list[float]:
 
 
 async def throughput(url: str, num_streams: int, duration_s: float) -> float:
-    client = aioredis.Redis.from_url(url)
+    client = open_redis(url)
     log = RedisEventLog(client, LogLimits(max_records=1_000))
     num_events = 0
     async with log.running():
@@ -202,8 +203,8 @@ async def main(args: argparse.Namespace) -> int:
         mem_lat, mem_cpu, mem_tokens = await deliver(
             memory, memory, num_streams, num_steps, problems
         )
-        client = aioredis.Redis.from_url(url)
-        other = aioredis.Redis.from_url(url)
+        client = open_redis(url)
+        other = open_redis(url)
         redis_before = await redis_cpu_s(client)
         log = RedisEventLog(client)
         async with log.running():

@@ -1,12 +1,15 @@
-"""Which Redis client a URL names, and how a round trip's keys group by cluster slot."""
+"""Which Redis client a URL names, how it packs commands, and how a round trip's keys group
+by cluster slot."""
 
 from __future__ import annotations
 
 import pytest
+import redis.asyncio as redis
+from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.crc import key_slot
 
 from sluice.errors import ConfigError
-from sluice.streams.redis_client import cluster_url, slot_groups
+from sluice.streams.redis_client import HiredisPacking, cluster_url, open_redis, slot_groups
 from sluice.streams.redis_codec import LEASES_KEY, LIVE_KEY, log_key, meta_key, tenant_live_key
 from sluice.streams.shared import SharedStreams
 
@@ -44,3 +47,40 @@ def test_a_streams_keys_share_its_slot_and_the_registrys_keys_share_theirs() -> 
     assert key_slot(log_key("s1").encode()) == key_slot(meta_key("s1").encode())
     registry = {key_slot(k.encode()) for k in (LEASES_KEY, LIVE_KEY, tenant_live_key("acme"))}
     assert len(registry) == 1
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("EVALSHA", "a" * 40, 4, b"{str_x}:log", b"{str_x}:meta", 1000, b"1 2 0 35", b"\x00\xff"),
+        ("SCRIPT LOAD", "return 1"),
+        (b"CLIENT SETNAME", b"sluice"),
+        ("HINCRBY", "sluice:{registry}:tenant-bytes", "t\u00e9nant", -12),
+        ("SET", "k", 2.5),
+    ],
+)
+def test_hiredis_packing_writes_the_bytes_redis_py_writes(command: tuple[object, ...]) -> None:
+    """Our packer is a drop-in for redis-py's: same RESP bytes for names with spaces,
+    bytes, str (UTF-8), ints and floats."""
+    connection = open_redis("redis://127.0.0.1:1/0").connection_pool.make_connection()
+    ours = b"".join(connection.pack_command(*command))  # type: ignore[arg-type]
+    theirs = b"".join(Connection().pack_command(*command))  # type: ignore[arg-type]
+    assert ours == theirs
+
+
+@pytest.mark.parametrize(
+    ("url", "kind"),
+    [
+        ("redis://127.0.0.1:6379/0", Connection),
+        ("rediss://127.0.0.1:6380/0", SSLConnection),
+        ("unix:///tmp/redis.sock?db=1", UnixDomainSocketConnection),
+    ],
+)
+def test_one_redis_connects_as_its_scheme_says_and_packs_with_hiredis(
+    url: str, kind: type[Connection]
+) -> None:
+    client = open_redis(url)
+    assert isinstance(client, redis.Redis)
+    connection_class = client.connection_pool.connection_class
+    assert issubclass(connection_class, kind)
+    assert issubclass(connection_class, HiredisPacking)
