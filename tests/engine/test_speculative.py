@@ -136,6 +136,29 @@ def test_adaptive_k_switches_on_only_when_the_saving_pays_for_the_catch_up() -> 
     assert policy.choose(64) == 1
 
 
+def test_adaptive_k_looks_at_k1_from_no_speculation_only_when_its_catch_up_is_cheap() -> None:
+    """A look at k=1 after steps without drafts costs a catch-up: it waits until the steps
+    between looks make that a small share of them."""
+    policy = AdaptiveK(1, explore_every=16)
+    for i in range(50):
+        policy.accepted(1, 1 if i % 5 < 2 else 0)  # E(1) = 1.4 for 1.5: k=0 is best
+    for _ in range(3):
+        policy.observe(64, 0, 1.0)
+    policy.observe(64, 1, 11.0, steady=False)  # a catch-up: 10 more than a k=0 step
+    for _ in range(3):
+        policy.observe(64, 1, 1.5)
+    looks = []
+    for step in range(2000):
+        k = policy.choose(64)
+        if k:
+            looks.append(step)
+        policy.observe(64, k, 1.0 if k == 0 else 11.0, steady=k == 0)
+    # 5% of the 32, 64 and 128 steps to the next look is less than the catch-up: skipped.
+    assert looks
+    assert looks[0] > 200
+    assert len(looks) < 10
+
+
 def test_adaptive_k_buckets_batch_sizes_by_powers_of_two() -> None:
     assert [AdaptiveK.bucket(n) for n in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
 

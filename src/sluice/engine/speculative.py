@@ -29,7 +29,9 @@ A draft model that did not run for a while catches up on every token since in it
 step, a one-off cost that is not a step cost (not a sample) but is kept, per bucket, as
 the cost of switching on: after a step without drafts, a ``k`` that scores best is taken
 only if what it saves over ``explore_every`` steps pays for that catch-up (at 64 streams a
-catch-up cost as much as five steps, and speculation saved a few percent a step).
+catch-up cost as much as five steps, and speculation saved a few percent a step), and a
+look at ``k = 1`` from no speculation is skipped while the catch-up is more than 5% of the
+steps until the next look (the looks grow further apart, so one is taken in the end).
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ _MARGIN = 1.05
 _MAX_EXPLORE_BACKOFF = 16
 # Neighbours this much behind the best are re-explored at the longest interval at once.
 _CLEAR_LOSS = 1.25
+# An exploration from no speculation is skipped while the draft model's catch-up it costs
+# (the bucket's last) is more than this share of the steps until the next exploration.
+_MAX_EXPLORE_SHARE = 0.05
 # A draft position's acceptance rate before any verify: the draft is worth trying.
 _PRIOR_ACCEPTANCE = 0.6
 
@@ -275,7 +280,19 @@ class AdaptiveK:
             if all(scores[k] * _CLEAR_LOSS < scores[best] for k in neighbours):
                 backoff = _MAX_EXPLORE_BACKOFF  # far behind: not worth a look soon
             self._backoff[bucket] = min(_MAX_EXPLORE_BACKOFF, backoff)
-            self._next_explore[bucket] = step + self._explore_every * self._backoff[bucket]
+            interval = self._explore_every * self._backoff[bucket]
+            self._next_explore[bucket] = step + interval
+            # From no speculation, a look at k=1 costs the draft's catch-up: not worth it
+            # while that is more than a share of the steps until the next look.
+            switch_s = self._switch_s.get(bucket, 0.0)
+            if best == 0 and not self._last_k:
+                budget_s = (
+                    _MAX_EXPLORE_SHARE
+                    * interval
+                    * self._costs[bucket, 0].seconds(step, self._explore_every)
+                )
+                if switch_s > budget_s:
+                    return best
             if neighbours:
                 return min(neighbours, key=lambda k: self._costs[bucket, k].last_step)
         return best
