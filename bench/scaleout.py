@@ -130,7 +130,9 @@ async def deliver(
         next_step += STEP_S
         step_started[0] = time.perf_counter()
         token = [TextDelta(f" t{step}")]
-        await asyncio.gather(*(writer.append(stream_id, token) for stream_id in ids))
+        # As the hub's producer appends tokens: without waiting for Redis to store them
+        # (readers are woken once it has).
+        await asyncio.gather(*(writer.append(i, token, wait=False) for i in ids))
         await asyncio.sleep(max(0.0, next_step - loop.time()))
     await asyncio.gather(*(writer.append(i, [Finished(FinishReason.STOP)]) for i in ids))
     counts = await asyncio.wait_for(asyncio.gather(*tasks), 30)
@@ -193,6 +195,33 @@ async def throughput(url: str, num_streams: int, duration_s: float) -> float:
     return num_events / elapsed
 
 
+async def xadd_floor(url: str, num_streams: int, num_steps: int) -> tuple[float, list[float]]:
+    """The floor of one pipelined write per step: each step's appends as bare ``XADD``s
+    (no script, no counters, no publish) in one pipeline, a step every 20 ms. Returns
+    Redis's own CPU per step (s: what every token of the step waits for at the least,
+    since its reader wakes with the step's reply) and each step's round trip (s)."""
+    client = open_redis(url)
+    keys = [f"sluice:{{str_floor{n:016d}}}:log" for n in range(num_streams)]
+    payload = b'["t"," t0"]'
+    round_trips: list[float] = []
+    loop = asyncio.get_running_loop()
+    before = await redis_cpu_s(client)
+    next_step = loop.time()
+    for _ in range(num_steps):
+        next_step += STEP_S
+        started = time.perf_counter()
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.xadd(key, {"e": payload}, maxlen=1000, approximate=True)
+        await pipe.execute()
+        round_trips.append(time.perf_counter() - started)
+        await asyncio.sleep(max(0.0, next_step - loop.time()))
+    used = await redis_cpu_s(client) - before
+    await client.delete(*keys)
+    await client.aclose()
+    return used / num_steps, round_trips
+
+
 async def main(args: argparse.Namespace) -> int:
     num_streams = 100 if args.quick else args.streams
     num_steps = 50 if args.quick else args.steps
@@ -220,6 +249,7 @@ async def main(args: argparse.Namespace) -> int:
         events_per_s = await throughput(
             url, num_streams if args.quick else 1000, 1.0 if args.quick else 5.0
         )
+        floor_redis_s, floor_trips = await xadd_floor(url, num_streams, 20 if args.quick else 100)
 
     def ms(values: list[float], q: float) -> float:
         return percentile(values, q) * 1000
@@ -296,6 +326,15 @@ async def main(args: argparse.Namespace) -> int:
         )
     )
     rows.append(("events/s one Redis sustains", "-", f"{events_per_s:,.0f}", "(one writer, pipelined)", "-"))  # fmt: skip
+    rows.append(
+        (
+            f"floor: Redis's own time for a step of {num_streams} bare XADDs",
+            "-",
+            f"{floor_redis_s * 1000:.2f} ms (round trip p50 {ms(floor_trips, 0.5):.2f} ms)",
+            "every token of a step waits for it",
+            "-",
+        )
+    )
     print(f"# bench/scaleout.py{' --quick' if args.quick else ''}: Redis log vs memory log")
     load = os.getloadavg()[0]
     print(f"{os.cpu_count()} CPUs, load average {load:.1f}; a step every {STEP_S * 1000:.0f} ms,")

@@ -670,7 +670,9 @@ class StreamHub:
                         now = time.monotonic()
                         observer.tokens(stream, len(events), now - last, not stream.num_tokens)
                         last = now
-                    await append(stream.id, events)
+                    # Not waiting for a remote log to store them (log.EventLog.append):
+                    # readers get them once stored; a failure is raised by the next append.
+                    await append(stream.id, events, wait=False)
                     stream.num_events += len(events)
                     stream.num_tokens += len(events)
                     if resized(stream.id, log_bytes(stream.id)):
@@ -688,6 +690,7 @@ class StreamHub:
                 if num_deltas % _YIELD_EVERY_DELTAS == 0:
                     await asyncio.sleep(0)
             stream.task = None  # finishing by itself now: a cancel from here on is too late
+            await self._log.sync(stream.id)  # every token stored, or the failure raised here
             final = [generation.usage(), Finished(reason, stop_sequence)]
             target = StreamState.FINISHED
         except asyncio.CancelledError:
@@ -738,10 +741,15 @@ class StreamHub:
         await self._finish(stream, final, target)
 
     async def _finish(self, stream: Stream, final: list[NeutralEvent], target: StreamState) -> None:
-        for event in final:
-            await self._append(stream, event)
-            if isinstance(event, Usage):
-                stream.usage = event
+        try:
+            for event in final:
+                await self._append(stream, event)
+                if isinstance(event, Usage):
+                    stream.usage = event
+        except BackendError as exc:  # the log did not take its tokens or its end (Redis)
+            final = [Error("backend_error", str(exc), exc.retryable)]
+            target = StreamState.FAILED
+            await self._append(stream, final[0])  # the stream is local now: this one stays
         terminal = final[-1]
         if isinstance(terminal, Finished):
             stream.finish_reason = terminal.reason.value

@@ -124,8 +124,19 @@ class EventLog(Protocol):
 
     async def create(self, stream_id: str) -> None: ...
 
-    async def append(self, stream_id: str, events: Sequence[NeutralEvent]) -> int:
-        """Append ``events``; return the seq of the last one."""
+    async def append(
+        self, stream_id: str, events: Sequence[NeutralEvent], *, wait: bool = True
+    ) -> int:
+        """Append ``events``; return the seq of the last one. With ``wait`` (the default)
+        it returns once they are in the log, readable. Without, a log that stores them
+        elsewhere (Redis) may return as soon as they are queued: they become readable (and
+        wake readers) once stored, and a failure to store them is raised by the stream's
+        next append, or by :meth:`sync`."""
+        ...
+
+    async def sync(self, stream_id: str) -> None:
+        """Wait until every append of ``stream_id`` so far is in the log; raise the
+        failure of one that did not make it, if no append raised it yet."""
         ...
 
     def read(self, stream_id: str, after_seq: int, max_records: int) -> Batch: ...

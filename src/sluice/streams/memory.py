@@ -67,8 +67,13 @@ class MemoryEventLog:
     def __contains__(self, stream_id: object) -> bool:
         return stream_id in self._logs
 
-    async def append(self, stream_id: str, events: Sequence[NeutralEvent]) -> int:
-        return self.extend(stream_id, events)
+    async def append(
+        self, stream_id: str, events: Sequence[NeutralEvent], *, wait: bool = True
+    ) -> int:
+        return self.extend(stream_id, events)  # in the log at once, waiting or not
+
+    async def sync(self, stream_id: str) -> None:
+        """Every append is in the log when it returns: nothing to wait for."""
 
     def extend(self, stream_id: str, events: Sequence[NeutralEvent]) -> int:
         """:meth:`append`, synchronously (for a mirror fed by callbacks)."""

@@ -45,6 +45,8 @@ logger = logging.getLogger("sluice.streams.redis")
 _RANGE_COUNT = 1_000
 # Between attempts to reopen the pub/sub connection after Redis went away.
 RECONNECT_DELAY_S = 0.25
+# How long a stopping follower waits for its listener to end before cancelling it again.
+_RECANCEL_S = 0.1
 # The channel a replica without a control channel listens on (a pub/sub connection
 # needs one subscription to stay open).
 _KEEPALIVE_CHANNEL = "sluice:log:keepalive"
@@ -87,6 +89,12 @@ class RedisFollower:
             finally:
                 self._tasks = None
                 listener.cancel()
+                # redis-py can lose a cancel that lands while it connects or subscribes
+                # (the listener then waits for a message forever): cancel again, a
+                # bounded wait apart, until the listener has ended.
+                while not listener.done():
+                    await asyncio.wait({listener}, timeout=_RECANCEL_S)
+                    listener.cancel()
         self._following.clear()
 
     def follows(self, stream_id: str) -> bool:

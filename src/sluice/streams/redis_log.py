@@ -11,7 +11,9 @@ frame cache as its observer) of the streams it writes or serves, and reads that.
   to the mirror once Redis has it. A write Redis refused or never answered raises
   :class:`~sluice.errors.BackendError` (retryable) and leaves the stream local: its
   terminal event reaches this replica's readers only (the producer lease then gives
-  Redis's copy its own, see :mod:`sluice.streams.redis_registry`).
+  Redis's copy its own, see :mod:`sluice.streams.redis_registry`). An append made with
+  ``wait=False`` (the producer's tokens) returns once queued; if Redis does not take it,
+  the stream's next append (or :meth:`sync`) raises that failure, once.
 - **Following** (any other replica): :meth:`follow` mirrors a stream written elsewhere
   (:class:`~sluice.streams.redis_follower.RedisFollower`).
 - Retention is Redis's ``EXPIRE`` (set by the hub's registry); :meth:`delete` drops the
@@ -60,8 +62,11 @@ class RedisEventLog:
         self.mirror = MemoryEventLog(self._limits, observer)
         self._next_seq: dict[str, int] = {}  # streams written here: the seq to assign next
         self._local_only: set[str] = set()  # written here, but Redis stopped taking them
+        # Of those, the ones whose producer has not been told yet (an append nobody waited
+        # for failed): the failure its next append raises.
+        self._unreported: dict[str, str] = {}
         self.writer = RedisWriter(
-            client, self._limits.max_records, self._written, self._local_only.add, self._held
+            client, self._limits.max_records, self._written, self._failed, self._held
         )
         self._follower = RedisFollower(client, self.mirror)
         self.num_appends = 0
@@ -100,17 +105,33 @@ class RedisEventLog:
         self.mirror.open(stream_id)
         self._next_seq[stream_id] = 1
 
-    async def append(self, stream_id: str, events: Sequence[NeutralEvent]) -> int:
+    async def append(
+        self, stream_id: str, events: Sequence[NeutralEvent], *, wait: bool = True
+    ) -> int:
         next_seq = self._next_seq.get(stream_id)
         if next_seq is None or stream_id in self._local_only:
+            self._raise_unreported(stream_id)
             if stream_id not in self.mirror:
                 raise StreamNotFoundError(stream_id)
             return self.mirror.extend(stream_id, events)
         self._next_seq[stream_id] = next_seq + len(events)
         encoded = [encode_event(event) for event in events]
         terminal = bool(events) and is_terminal(events[-1])
-        await self.writer.append(Append(stream_id, events, next_seq, terminal, encoded))
+        append = Append(stream_id, events, next_seq, terminal, encoded)
+        await self.writer.append(append, wait=wait or terminal)  # an end is always waited for
         return next_seq + len(events) - 1
+
+    async def sync(self, stream_id: str) -> None:
+        if stream_id in self._next_seq and stream_id not in self._local_only:
+            # The next round trip goes after every write queued before it.
+            with contextlib.suppress(RedisUnavailableError):
+                await self.writer.execute(("PING",))
+        self._raise_unreported(stream_id)
+
+    def _raise_unreported(self, stream_id: str) -> None:
+        message = self._unreported.pop(stream_id, None)
+        if message is not None:
+            raise RedisUnavailableError(message)
 
     def read(self, stream_id: str, after_seq: int, max_records: int) -> Batch:
         return self.mirror.read(stream_id, after_seq, max_records)
@@ -138,6 +159,7 @@ class RedisEventLog:
             if stream_id not in self._local_only:
                 self.send(("DEL", log_key(stream_id)))
             self._local_only.discard(stream_id)
+        self._unreported.pop(stream_id, None)
         self.writer.uncount(stream_id)
         self.unfollow(stream_id)
         self.mirror.drop(stream_id)
@@ -147,6 +169,7 @@ class RedisEventLog:
         self.writer.close()
         self._next_seq.clear()
         self._local_only.clear()
+        self._unreported.clear()
         await self.mirror.aclose()
 
     @property
@@ -170,6 +193,12 @@ class RedisEventLog:
         """Queue commands for the next round trip and wait for it; raises
         :class:`RedisUnavailableError`."""
         await self.writer.execute(*commands)
+
+    def _failed(self, stream_id: str, message: str | None) -> None:
+        """Redis did not take a write of the stream (``message``: nobody was told)."""
+        self._local_only.add(stream_id)
+        if message is not None and stream_id in self._next_seq:
+            self._unreported.setdefault(stream_id, message)
 
     def _written(self, append: Append) -> None:
         if append.stream_id in self.mirror:

@@ -19,7 +19,19 @@ behind: a stream's last append is never counted, its closing takes out what was.
 Once Redis answers, ``on_written`` applies each append (to the mirror, waking the local
 readers), so no replica ever shows an event another could not resume from. A write
 Redis refused or never answered fails its waiter with :class:`RedisUnavailableError`
-(retryable) and its stream is reported to ``on_failed``.
+(retryable) and its stream is reported to ``on_failed``, with the message when no waiter
+was told.
+
+**Appends nobody waits for** (:meth:`append` with ``wait=False``: a producer's tokens).
+A producer that waited for each token's round trip would be suspended once more per
+token (its next token is awaited anyway), and its stream would have one append in
+flight at a time; without waiting, it goes on and the round trip carries what it queued
+meanwhile. What readers see does not change: an append reaches the mirror, and wakes
+them, only once Redis has it. What changes is who learns of a failure, and when: the
+stream is reported to ``on_failed`` with the message (its log raises it at the stream's
+next append), and every write of that stream still queued is dropped (failed), so Redis
+never gets a later event after a missing one. At most :data:`MAX_PIPELINE_COMMANDS`
+writes wait in the queue; an append beyond that waits for its round trip (backpressure).
 """
 
 from __future__ import annotations
@@ -104,7 +116,7 @@ class RedisWriter:
         client: RedisClient,
         max_records: int,
         on_written: Callable[[Append], None],
-        on_failed: Callable[[str], None],
+        on_failed: Callable[[str, str | None], None],
         log_bytes: Callable[[str], int | None],
     ) -> None:
         self._client = client
@@ -178,8 +190,13 @@ class RedisWriter:
         :class:`RedisUnavailableError`."""
         await self._wait(_Write(list(commands), None))
 
-    async def append(self, append: Append) -> None:
-        """Write ``append`` with the next round trip and wait for Redis to have it."""
+    async def append(self, append: Append, *, wait: bool = True) -> None:
+        """Write ``append`` with the next round trip and wait for Redis to have it; with
+        ``wait=False`` (and the writer running, its queue not full), only queue it (see
+        the module doc)."""
+        if not wait and self._running and len(self._queue) < MAX_PIPELINE_COMMANDS:
+            self._submit(_Write([], None, append))
+            return
         await self._wait(_Write([], None, append))
 
     async def _wait(self, write: _Write) -> None:
@@ -326,10 +343,20 @@ class RedisWriter:
         return results
 
     def _failed(self, write: _Write, message: str) -> None:
+        future = write.future
+        told = future is not None and not future.done()
+        if future is not None and not future.done():
+            future.set_exception(RedisUnavailableError(message))
         if write.append is not None:
-            self._counted.pop(write.append.stream_id, None)  # a lease sweep uncounts it
-            self._on_failed(write.append.stream_id)
-        if write.future is not None and not write.future.done():
-            write.future.set_exception(RedisUnavailableError(message))
-        elif write.future is None:
+            stream_id = write.append.stream_id
+            self._counted.pop(stream_id, None)  # a lease sweep uncounts it
+            self._on_failed(stream_id, None if told else message)
+            # Nothing of this stream may follow the missing events into Redis.
+            behind = [w for w in self._queue if w.append and w.append.stream_id == stream_id]
+            if behind:
+                self._queue[:] = [w for w in self._queue if w not in behind]
+                for dropped in behind:
+                    if dropped.future is not None and not dropped.future.done():
+                        dropped.future.set_exception(RedisUnavailableError(message))
+        elif not told:
             logger.warning("%s", message)
