@@ -116,24 +116,23 @@ def test_adaptive_k_forgets_costs_measured_on_shorter_contexts() -> None:
 
 
 def test_adaptive_k_switches_on_only_when_the_saving_pays_for_the_catch_up() -> None:
-    """After steps without drafts, a draft model catches up on every token since: a k that
-    saves less over explore_every steps than that costs is not switched on, but a k whose
-    catch-up is paid (an exploration's) is kept while it scores best."""
+    """A draft model behind by many tokens (steps without drafts, new sequences) catches
+    up first: a k that saves less over explore_every steps than that costs is not switched
+    on; one that saves more is, and a draft that is not behind speculates as it scores."""
     policy = AdaptiveK(1, explore_every=16)
     for _ in range(50):
         policy.accepted(1, 1 if _ % 4 else 0)  # E(1) = 1.75
     for _ in range(3):
         policy.observe(64, 0, 1.0)
-    policy.observe(64, 1, 20.0, steady=False)  # the first k=1 step caught up: 19 extra
+    # The first k=1 step caught up on 640 tokens: 19 more than a k=0 step, 0.03 a token.
+    policy.observe(64, 1, 20.0, steady=False, num_caught_up=640)
     for _ in range(3):
         policy.observe(64, 1, 1.6)  # 1.75 tokens for 1.6: saves 0.15 a step
-    assert policy.choose(64) == 1  # caught up already: kept
-    for _ in range(3):
-        policy.observe(64, 0, 1.0)  # an exploration of k=0: the draft falls behind
-    assert policy.choose(64) == 0  # 16 x 0.15 = 2.4 does not pay 19
-    policy.observe(64, 1, 3.0, steady=False)  # a cheap catch-up: 1.4 extra
-    policy.observe(64, 0, 1.0)
-    assert policy.choose(64) == 1
+    assert policy.choose(64) == 1  # caught up
+    assert policy.choose(64, num_behind=640) == 0  # 16 x 0.15 = 2.4 does not pay 19
+    assert policy.choose(64, num_behind=64) == 1  # 1.9 does
+    policy.observe(64, 1, 1.6, steady=False, num_caught_up=70)  # a token or two: not a cost
+    assert policy.choose(64, num_behind=64) == 1
 
 
 def test_adaptive_k_looks_at_k1_from_no_speculation_only_when_its_catch_up_is_cheap() -> None:
@@ -144,15 +143,16 @@ def test_adaptive_k_looks_at_k1_from_no_speculation_only_when_its_catch_up_is_ch
         policy.accepted(1, 1 if i % 5 < 2 else 0)  # E(1) = 1.4 for 1.5: k=0 is best
     for _ in range(3):
         policy.observe(64, 0, 1.0)
-    policy.observe(64, 1, 11.0, steady=False)  # a catch-up: 10 more than a k=0 step
+    # A catch-up of 640 tokens cost 10 more than a k=0 step.
+    policy.observe(64, 1, 11.0, steady=False, num_caught_up=640)
     for _ in range(3):
         policy.observe(64, 1, 1.5)
     looks = []
     for step in range(2000):
-        k = policy.choose(64)
+        k = policy.choose(64, num_behind=640)
         if k:
             looks.append(step)
-        policy.observe(64, k, 1.0 if k == 0 else 11.0, steady=k == 0)
+        policy.observe(64, k, 1.0 if k == 0 else 11.0, steady=k == 0, num_caught_up=640 * k)
     # 5% of the 32, 64 and 128 steps to the next look is less than the catch-up: skipped.
     assert looks
     assert looks[0] > 200

@@ -64,6 +64,11 @@ class Proposer(Protocol):
 
     def forget(self, seq_id: int) -> None: ...
 
+    def num_behind(self, seqs: Sequence_[Sequence]) -> int:
+        """Tokens a :meth:`propose` for ``seqs`` would catch up on beyond one a sequence
+        (0 for a proposer without a model)."""
+        ...
+
     @property
     def num_caught_up(self) -> int:
         """Tokens the last :meth:`propose` ran beyond one a sequence to catch up (a draft
@@ -94,6 +99,9 @@ class NgramProposer:
     def forget(self, seq_id: int) -> None:
         """Nothing is kept per sequence."""
 
+    def num_behind(self, seqs: Sequence_[Sequence]) -> int:
+        return 0
+
     @property
     def num_caught_up(self) -> int:
         return 0
@@ -123,6 +131,12 @@ class DraftModelProposer:
 
     def forget(self, seq_id: int) -> None:
         self._states.pop(seq_id, None)
+
+    def num_behind(self, seqs: Sequence_[Sequence]) -> int:
+        return sum(
+            max(0, seq.num_tokens - 1 - self._num_valid(seq, self._states.get(seq.seq_id)))
+            for seq in seqs
+        )
 
     def propose(self, requests: Sequence_[DraftRequest]) -> dict[int, Draft]:
         if not requests:
@@ -193,20 +207,27 @@ class DraftModelProposer:
         """The slice that brings the draft's K/V up to the sequence's last token."""
         seq = request.seq
         state = self._states.get(seq.seq_id)
+        num_valid = self._num_valid(seq, state)
         if state is None or state.num_allocations != seq.num_allocations:
             state = _DraftState(seq.num_allocations, 0)
             self._states[seq.seq_id] = state
-        elif state.pending:
-            matched = 0
-            for draft, actual in zip(state.pending, seq.token_ids[state.start :], strict=False):
-                if draft != actual:
-                    break
-                matched += 1
-            state.num_valid = max(state.num_valid, state.start + matched)
-            state.pending = ()
-        start = min(state.num_valid, seq.num_tokens - 1)
+        state.pending = ()
+        start = min(num_valid, seq.num_tokens - 1)
         state.num_valid = seq.num_tokens
         return ModelSlice(seq.token_ids[start:], start, seq.block_table)
+
+    @staticmethod
+    def _num_valid(seq: Sequence, state: _DraftState | None) -> int:
+        """Leading tokens of ``seq`` whose draft K/V is in the cache: those it had, and the
+        pending drafts the sequence kept; 0 when it got new blocks since."""
+        if state is None or state.num_allocations != seq.num_allocations:
+            return 0
+        matched = 0
+        for draft, actual in zip(state.pending, seq.token_ids[state.start :], strict=False):
+            if draft != actual:
+                break
+            matched += 1
+        return max(state.num_valid, state.start + matched) if state.pending else state.num_valid
 
     @staticmethod
     def _sample(logits: torch.Tensor, request: DraftRequest) -> tuple[int, torch.Tensor]:

@@ -26,12 +26,13 @@ measured neighbour of the best is tried again (then ever less often while the be
 up to 16 times further apart), so a change of load or acceptance is seen.
 
 A draft model that did not run for a while catches up on every token since in its next
-step, a one-off cost that is not a step cost (not a sample) but is kept, per bucket, as
-the cost of switching on: after a step without drafts, a ``k`` that scores best is taken
-only if what it saves over ``explore_every`` steps pays for that catch-up (at 64 streams a
-catch-up cost as much as five steps, and speculation saved a few percent a step), and a
-look at ``k = 1`` from no speculation is skipped while the catch-up is more than 5% of the
-steps until the next look (the looks grow further apart, so one is taken in the end).
+step (new sequences: on their prompts), a one-off cost that is not a step cost (not a
+sample) but the cost of switching on: its cost per token is measured on those steps, and
+with ``num_behind`` tokens to catch up a ``k`` that scores best is taken only if what it
+saves over ``explore_every`` steps pays for the catch-up (at 64 streams one cost as much as
+five steps, and speculation saved a few percent a step), and a look at ``k = 1`` from no
+speculation is skipped while the catch-up would be more than 5% of the steps until the
+next look (the looks grow further apart, so one is taken in the end).
 """
 
 from __future__ import annotations
@@ -229,8 +230,7 @@ class AdaptiveK:
         self._next_explore: dict[int, int] = {}  # per bucket, the step to explore at
         self._backoff: dict[int, int] = {}  # per bucket, explore_every's multiple now
         self._last_best: dict[int, int] = {}
-        self._switch_s: dict[int, float] = {}  # per bucket, the last catch-up's extra cost
-        self._last_k = 0  # the k of the last step observed
+        self._catch_up_s_per_token = 0.0  # the last catch-up's extra cost per token
 
     @staticmethod
     def bucket(num_decodes: int) -> int:
@@ -245,8 +245,9 @@ class AdaptiveK:
             total += chain
         return total
 
-    def choose(self, num_decodes: int) -> int:
-        """This step's ``k`` for ``num_decodes`` decoding sequences (0: do not speculate)."""
+    def choose(self, num_decodes: int, num_behind: int = 0) -> int:
+        """This step's ``k`` for ``num_decodes`` decoding sequences (0: do not speculate),
+        whose draft model would first catch up on ``num_behind`` tokens beyond one each."""
         if num_decodes == 0:
             return 0
         bucket = self.bucket(num_decodes)
@@ -268,7 +269,9 @@ class AdaptiveK:
         for k in sorted(scores):
             if scores[k] > scores[best] * _MARGIN:
                 best = k
-        if best and not self._last_k and not self._pays_to_switch(bucket, best, step):
+        # The catch-up, in the bucket's per-sequence terms as the costs are.
+        catch_up_s = self._catch_up_s_per_token * num_behind / num_decodes * bucket
+        if best and not self._pays_to_switch(bucket, best, step, catch_up_s):
             best = 0
         if self._last_best.get(bucket) != best:  # the best moved: explore at the base rate
             self._last_best[bucket] = best
@@ -284,37 +287,43 @@ class AdaptiveK:
             self._next_explore[bucket] = step + interval
             # From no speculation, a look at k=1 costs the draft's catch-up: not worth it
             # while that is more than a share of the steps until the next look.
-            switch_s = self._switch_s.get(bucket, 0.0)
-            if best == 0 and not self._last_k:
+            if best == 0:
                 budget_s = (
                     _MAX_EXPLORE_SHARE
                     * interval
                     * self._costs[bucket, 0].seconds(step, self._explore_every)
                 )
-                if switch_s > budget_s:
+                if catch_up_s > budget_s:
                     return best
             if neighbours:
                 return min(neighbours, key=lambda k: self._costs[bucket, k].last_step)
         return best
 
-    def _pays_to_switch(self, bucket: int, k: int, step: int) -> bool:
+    def _pays_to_switch(self, bucket: int, k: int, step: int, catch_up_s: float) -> bool:
         """Whether ``k``'s saving over ``explore_every`` steps, against no speculation, pays
-        for the catch-up a switch from it costs (the bucket's last one; True if none)."""
-        switch_s = self._switch_s.get(bucket)
-        if switch_s is None:
+        for a catch-up of ``catch_up_s`` first."""
+        if catch_up_s <= 0:
             return True
         cost_0 = self._costs[bucket, 0].seconds(step, self._explore_every)
         cost_k = self._costs[bucket, k].seconds(step, self._explore_every)
         saving_s = self._explore_every * (self.expected_tokens(k) * cost_0 - cost_k)
-        return saving_s > switch_s
+        return saving_s > catch_up_s
 
-    def observe(self, num_decodes: int, k: int, duration_s: float, *, steady: bool = True) -> None:
+    def observe(
+        self,
+        num_decodes: int,
+        k: int,
+        duration_s: float,
+        *,
+        steady: bool = True,
+        num_caught_up: int = 0,
+    ) -> None:
         """A step of ``num_decodes`` decodes (and no prefill) at ``k`` took ``duration_s``;
-        one that is not ``steady`` (it did a one-off catch-up) counts as a step, and what
-        it took beyond a step at ``k`` as the bucket's switch cost."""
+        one that is not ``steady`` (its draft caught up on ``num_caught_up`` tokens beyond
+        one a sequence) counts as a step, and what it took beyond a step at ``k`` as the
+        catch-up's cost."""
         if num_decodes == 0 or not 0 <= k <= self.max_k:
             return
-        self._last_k = k
         bucket = self.bucket(num_decodes)
         step = self._num_steps.get(bucket, 0) + 1
         self._num_steps[bucket] = step
@@ -322,10 +331,12 @@ class AdaptiveK:
         seconds = duration_s / num_decodes * bucket
         if not steady:
             known = self._costs.get((bucket, k)) or self._costs.get((bucket, 0))
-            if known is not None and known.recent:
-                self._switch_s[bucket] = max(
-                    0.0, seconds - known.seconds(step, self._explore_every)
-                )
+            # Only a real catch-up (not a token or two a sequence more than usual, which
+            # step-to-step noise would swamp) measures its cost per token.
+            if known is not None and known.recent and num_caught_up > 2 * num_decodes:
+                extra = seconds - known.seconds(step, self._explore_every)
+                extra_s = max(0.0, extra) * num_decodes / bucket
+                self._catch_up_s_per_token = extra_s / num_caught_up
             return
         cost = self._costs.setdefault((bucket, k), _Cost())
         cost.recent.append((step, seconds))

@@ -85,7 +85,8 @@ class Speculator:
         """The lookahead each decoding sequence asks for this step, and the step's ``k``:
         room for ``k`` drafts and one more token within ``max_tokens`` and the context."""
         if self.adaptive_k is not None:
-            k = self.adaptive_k.choose(len(decodes))
+            speculating = [seq for seq, params in decodes if params.speculative]
+            k = self.adaptive_k.choose(len(decodes), self.proposer.num_behind(speculating))
         else:
             k = self.config.num_speculative_tokens
         self.stats.last_k = k
@@ -157,9 +158,14 @@ class Speculator:
         steps without drafts costs once, not every step at that ``k``)."""
         if self.adaptive_k is None or num_prefill_tokens:
             return
-        steady = self._num_caught_up <= num_decodes
-        self._num_caught_up = 0
-        self.adaptive_k.observe(num_decodes, k, duration_s, steady=steady)
+        num_caught_up, self._num_caught_up = self._num_caught_up, 0
+        self.adaptive_k.observe(
+            num_decodes,
+            k,
+            duration_s,
+            steady=num_caught_up <= num_decodes,
+            num_caught_up=num_caught_up,
+        )
 
     def forget(self, seq_id: int) -> None:
         self.proposer.forget(seq_id)
