@@ -73,6 +73,20 @@ def test_adaptive_k_climbs_past_a_k_that_loses_narrowly_to_one_that_wins() -> No
     assert run_policy(policy, 1, costs, steps=40) == 3
 
 
+def test_adaptive_k_does_not_climb_again_to_a_k_seen_clearly_behind() -> None:
+    """A k with fewer samples than a measurement takes but already far behind the best is
+    not tried again on every step that the one below it comes close."""
+    policy = AdaptiveK(2)
+    for _ in range(50):
+        policy.accepted(2, 1)  # position 1 accepted, position 2 never: E(1) = E(2) = 2
+    for _ in range(3):
+        policy.observe(64, 0, 1.0)
+        policy.observe(64, 1, 2.2)  # 10% behind k=0
+    for _ in range(2):
+        policy.observe(64, 2, 5.0)  # far behind, 2 samples of 3
+    assert policy.choose(64) == 0
+
+
 def test_adaptive_k_turns_off_when_acceptance_is_low() -> None:
     policy = AdaptiveK(3)
     for _ in range(80):

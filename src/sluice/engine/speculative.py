@@ -230,7 +230,8 @@ class AdaptiveK:
         self._next_explore: dict[int, int] = {}  # per bucket, the step to explore at
         self._backoff: dict[int, int] = {}  # per bucket, explore_every's multiple now
         self._last_best: dict[int, int] = {}
-        self._catch_up_s_per_token = 0.0  # the last catch-up's extra cost per token
+        # The extra cost per token of the last few catch-ups (their minimum is the estimate).
+        self._catch_up_costs: deque[float] = deque(maxlen=_NUM_RECENT_COSTS)
 
     @staticmethod
     def bucket(num_decodes: int) -> int:
@@ -258,9 +259,14 @@ class AdaptiveK:
             if cost is None or cost.num_samples < _MIN_COST_SAMPLES:
                 # Climb: a k is first tried when the one below it scores best so far, or
                 # less than _CLEAR_LOSS behind the best.
-                if k == 0 or (
+                climb = k == 0 or (
                     k - 1 in scores and scores[k - 1] * _CLEAR_LOSS >= max(scores.values())
-                ):
+                )
+                if climb and k and cost is not None and cost.recent:
+                    # Measured a little already, and clearly behind: not tried again.
+                    partial = self.expected_tokens(k) / cost.seconds(step, self._explore_every)
+                    climb = partial * _CLEAR_LOSS >= max(scores.values())
+                if climb:
                     return k
                 continue
             seconds = cost.seconds(step, self._explore_every)
@@ -270,7 +276,8 @@ class AdaptiveK:
             if scores[k] > scores[best] * _MARGIN:
                 best = k
         # The catch-up, in the bucket's per-sequence terms as the costs are.
-        catch_up_s = self._catch_up_s_per_token * num_behind / num_decodes * bucket
+        per_token_s = min(self._catch_up_costs, default=0.0)
+        catch_up_s = per_token_s * num_behind / num_decodes * bucket
         if best and not self._pays_to_switch(bucket, best, step, catch_up_s):
             best = 0
         if self._last_best.get(bucket) != best:  # the best moved: explore at the base rate
@@ -336,7 +343,7 @@ class AdaptiveK:
             if known is not None and known.recent and num_caught_up > 2 * num_decodes:
                 extra = seconds - known.seconds(step, self._explore_every)
                 extra_s = max(0.0, extra) * num_decodes / bucket
-                self._catch_up_s_per_token = extra_s / num_caught_up
+                self._catch_up_costs.append(extra_s / num_caught_up)
             return
         cost = self._costs.setdefault((bucket, k), _Cost())
         cost.recent.append((step, seconds))
