@@ -149,6 +149,20 @@ def test_adaptive_k_switches_on_only_when_the_saving_pays_for_the_catch_up() -> 
     assert policy.choose(64, num_behind=64) == 1
 
 
+def test_adaptive_k_takes_the_catch_up_pass_time_when_the_proposer_measured_it() -> None:
+    policy = AdaptiveK(1, explore_every=16)
+    for _ in range(50):
+        policy.accepted(1, 1 if _ % 4 else 0)  # E(1) = 1.75
+    for _ in range(3):
+        policy.observe(64, 0, 1.0)
+    # The step took 40 (a load spike), its catch-up pass 6.4 for 640 tokens: 0.01 a token.
+    policy.observe(64, 1, 40.0, steady=False, num_caught_up=640, catch_up_s=6.4)
+    for _ in range(3):
+        policy.observe(64, 1, 1.6)  # saves 0.15 a step: 2.4 over 16
+    assert policy.choose(64, num_behind=640) == 0  # 6.4
+    assert policy.choose(64, num_behind=200) == 1  # 2.0
+
+
 def test_adaptive_k_looks_at_k1_from_no_speculation_only_when_its_catch_up_is_cheap() -> None:
     """A look at k=1 after steps without drafts costs a catch-up: it waits until the steps
     between looks make that a small share of them."""

@@ -23,6 +23,7 @@ each round is then mostly the draft model's own arithmetic.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 from typing import Protocol
@@ -75,6 +76,11 @@ class Proposer(Protocol):
         model's K/V of tokens it had not seen); 0 for a proposer without a model."""
         ...
 
+    @property
+    def catch_up_s(self) -> float:
+        """Seconds the last :meth:`propose`'s catch-up pass took (0: none ran)."""
+        ...
+
 
 class NgramProposer:
     """Prompt-lookup drafting (:func:`~sluice.engine.speculative.propose_ngram`)."""
@@ -106,6 +112,10 @@ class NgramProposer:
     def num_caught_up(self) -> int:
         return 0
 
+    @property
+    def catch_up_s(self) -> float:
+        return 0.0
+
 
 @dataclass(slots=True)
 class _DraftState:
@@ -124,10 +134,15 @@ class DraftModelProposer:
         self.n_positions = model.config.n_positions
         self._states: dict[int, _DraftState] = {}
         self._num_caught_up = 0
+        self._catch_up_s = 0.0
 
     @property
     def num_caught_up(self) -> int:
         return self._num_caught_up
+
+    @property
+    def catch_up_s(self) -> float:
+        return self._catch_up_s
 
     def forget(self, seq_id: int) -> None:
         self._states.pop(seq_id, None)
@@ -144,6 +159,7 @@ class DraftModelProposer:
             return {}
         slices = [self._catch_up(request) for request in requests]
         self._num_caught_up = sum(len(s.token_ids) - 1 for s in slices)
+        self._catch_up_s = 0.0
         with torch.inference_mode():
             tokens, probs = self._draft(requests, slices)
         drafts: dict[int, Draft] = {}
@@ -178,7 +194,9 @@ class DraftModelProposer:
                 torch.tensor(last, device=self.runner.device), rounds.layout(0)
             )
         else:
+            started = time.perf_counter()
             logits = self.runner.forward(slices)
+            self._catch_up_s = time.perf_counter() - started
         active = list(range(len(requests)))  # the requests of this round, in packed order
         drafted: list[tuple[list[int], torch.Tensor]] = []  # each round's (active, tokens)
         ids = torch.empty(0, dtype=torch.long)

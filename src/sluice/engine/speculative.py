@@ -27,7 +27,8 @@ up to 16 times further apart), so a change of load or acceptance is seen.
 
 A draft model that did not run for a while catches up on every token since in its next
 step (new sequences: on their prompts), a one-off cost that is not a step cost (not a
-sample) but the cost of switching on: its cost per token is measured on those steps, and
+sample) but the cost of switching on: its cost per token is measured on those steps (the
+time of the proposer's catch-up pass, else what the step took beyond a step at its ``k``), and
 with ``num_behind`` tokens to catch up a ``k`` that scores best is taken only if what it
 saves over ``explore_every`` steps pays for the catch-up (at 64 streams one cost as much as
 five steps, and speculation saved a few percent a step), and a look at ``k = 1`` from no
@@ -324,11 +325,12 @@ class AdaptiveK:
         *,
         steady: bool = True,
         num_caught_up: int = 0,
+        catch_up_s: float | None = None,
     ) -> None:
         """A step of ``num_decodes`` decodes (and no prefill) at ``k`` took ``duration_s``;
         one that is not ``steady`` (its draft caught up on ``num_caught_up`` tokens beyond
-        one a sequence) counts as a step, and what it took beyond a step at ``k`` as the
-        catch-up's cost."""
+        one a sequence) counts as a step, and its catch-up pass's ``catch_up_s`` (else what
+        the step took beyond a step at ``k``) as the catch-up's cost."""
         if num_decodes == 0 or not 0 <= k <= self.max_k:
             return
         bucket = self.bucket(num_decodes)
@@ -340,7 +342,11 @@ class AdaptiveK:
             known = self._costs.get((bucket, k)) or self._costs.get((bucket, 0))
             # Only a real catch-up (not a token or two a sequence more than usual, which
             # step-to-step noise would swamp) measures its cost per token.
-            if known is not None and known.recent and num_caught_up > 2 * num_decodes:
+            if num_caught_up <= 2 * num_decodes:
+                return
+            if catch_up_s is not None:
+                self._catch_up_costs.append(catch_up_s / num_caught_up)
+            elif known is not None and known.recent:
                 extra = seconds - known.seconds(step, self._explore_every)
                 extra_s = max(0.0, extra) * num_decodes / bucket
                 self._catch_up_costs.append(extra_s / num_caught_up)

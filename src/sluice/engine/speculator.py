@@ -43,6 +43,7 @@ class Speculator:
         )
         self.stats = SpecDecodeStats(config.method, config.num_speculative_tokens)
         self._num_caught_up = 0  # of the step in progress
+        self._catch_up_s = 0.0  # of the step in progress
 
     @classmethod
     def build(
@@ -113,6 +114,7 @@ class Speculator:
             return {}
         drafts = self.proposer.propose(requests)
         self._num_caught_up = self.proposer.num_caught_up
+        self._catch_up_s = self.proposer.catch_up_s
         if self.adaptive_k is not None:
             for _ in range(len(requests) - len(drafts)):
                 self.adaptive_k.accepted(1, 0)
@@ -159,12 +161,14 @@ class Speculator:
         if self.adaptive_k is None or num_prefill_tokens:
             return
         num_caught_up, self._num_caught_up = self._num_caught_up, 0
+        catch_up_s, self._catch_up_s = self._catch_up_s, 0.0
         self.adaptive_k.observe(
             num_decodes,
             k,
             duration_s,
             steady=num_caught_up <= num_decodes,
             num_caught_up=num_caught_up,
+            catch_up_s=catch_up_s or None,
         )
 
     def forget(self, seq_id: int) -> None:
