@@ -181,7 +181,7 @@ def test_adaptive_k_looks_at_k1_from_no_speculation_only_when_its_catch_up_is_ch
         if k:
             looks.append(step)
         policy.observe(64, k, 1.0 if k == 0 else 11.0, steady=k == 0, num_caught_up=640 * k)
-    # 5% of the 32, 64 and 128 steps to the next look is less than the catch-up: skipped.
+    # 5% of the 16, 32, 64 and 128 steps since the last look is less than the catch-up.
     assert looks
     assert looks[0] > 200
     assert len(looks) < 10

@@ -32,8 +32,9 @@ time of the proposer's catch-up pass, else what the step took beyond a step at i
 with ``num_behind`` tokens to catch up a ``k`` that scores best is taken only if what it
 saves over ``explore_every`` steps pays for the catch-up (at 64 streams one cost as much as
 five steps, and speculation saved a few percent a step), and a look at ``k = 1`` from no
-speculation is skipped while the catch-up would be more than 5% of the steps until the
-next look (the looks grow further apart, so one is taken in the end).
+speculation is skipped while the catch-up would be more than 5% of the steps since the last
+look: on one stream it never is; at 64 streams, where the draft falls 64 tokens behind a
+step, it always is, so speculation that settled off there stays off.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ _MAX_EXPLORE_BACKOFF = 16
 # Neighbours this much behind the best are re-explored at the longest interval at once.
 _CLEAR_LOSS = 1.25
 # An exploration from no speculation is skipped while the draft model's catch-up it costs
-# (the bucket's last) is more than this share of the steps until the next exploration.
+# is more than this share of the steps since the last exploration.
 _MAX_EXPLORE_SHARE = 0.05
 # A draft position's acceptance rate before any verify: the draft is worth trying.
 _PRIOR_ACCEPTANCE = 0.6
@@ -287,6 +288,7 @@ class AdaptiveK:
             self._next_explore[bucket] = step + self._explore_every
         elif step >= self._next_explore.get(bucket, 0):
             neighbours = [k for k in (best - 1, best + 1) if k in scores]
+            since_last = self._explore_every * self._backoff.get(bucket, 1)
             backoff = 2 * self._backoff.get(bucket, 1)
             if all(scores[k] * _CLEAR_LOSS < scores[best] for k in neighbours):
                 backoff = _MAX_EXPLORE_BACKOFF  # far behind: not worth a look soon
@@ -294,11 +296,11 @@ class AdaptiveK:
             interval = self._explore_every * self._backoff[bucket]
             self._next_explore[bucket] = step + interval
             # From no speculation, a look at k=1 costs the draft's catch-up: not worth it
-            # while that is more than a share of the steps until the next look.
+            # while that is more than a share of the steps since the last look.
             if best == 0:
                 budget_s = (
                     _MAX_EXPLORE_SHARE
-                    * interval
+                    * since_last
                     * self._costs[bucket, 0].seconds(step, self._explore_every)
                 )
                 if catch_up_s > budget_s:
