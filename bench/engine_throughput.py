@@ -28,6 +28,13 @@ must be equal; a mismatch is listed under "Problems").
 
 ``--model`` takes a checkpoint directory, a ``.gguf`` file (``transformers`` loads the same
 file with its GGUF support), or ``default`` for the model ``sluice serve`` loads by default.
+
+``--device`` and ``--dtype`` place both engines (ours as ``sluice serve --device --dtype``,
+``transformers`` on the same device in the same dtype): on a GPU machine,
+``scripts/gpu_check.sh`` runs it in float32 (greedy output must equal ``transformers``'s,
+TF32 off) and in bfloat16 (where the two are compared, not required equal: their kernels
+round differently). The script imports only the engine (``sluice.engine``) beside torch and
+``transformers``, so it runs where those are installed without the server's dependencies.
 """
 
 from __future__ import annotations
@@ -48,14 +55,21 @@ from pathlib import Path
 import torch
 import transformers
 
-from sluice.cli import BUNDLED_MODEL
 from sluice.engine.default_model import default_model_file
 from sluice.engine.driver import AsyncEngine
 from sluice.engine.engine import Engine, EngineConfig
 from sluice.engine.loader import Checkpoint, load_checkpoint
+from sluice.engine.placement import (
+    DTYPE_CHOICES,
+    Placement,
+    PlacementError,
+    machine_placement,
+)
 from sluice.engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16  # as sluice serve
+# sluice.cli.BUNDLED_MODEL, without importing the server (see the module doc).
+BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "models" / "sluice-tiny"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -182,13 +196,16 @@ def resolve_model(model: Path) -> Path:
     return model
 
 
-def load_hf(path: Path) -> transformers.PreTrainedModel:
+def load_hf(path: Path, placement: Placement | None = None) -> transformers.PreTrainedModel:
+    """``transformers``' model of ``path``, read in fp32, on ``placement`` (default: CPU)."""
     if path.suffix == ".gguf":
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, dtype=torch.float32
         )
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if placement is not None:
+        model.to(device=placement.device, dtype=placement.dtype)
     model.generation_config.eos_token_id = None  # every request makes all its tokens
     return model.eval()
 
@@ -205,8 +222,8 @@ def hf_generate(
         mask[row, width - len(prompt) :] = 1
     with torch.inference_mode():
         out = model.generate(
-            ids,
-            attention_mask=mask,
+            ids.to(model.device),
+            attention_mask=mask.to(model.device),
             do_sample=False,
             max_new_tokens=output,
             pad_token_id=pad_id,
@@ -281,19 +298,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="8 requests of 32+32 tokens")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N (default cpu)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.prompt, args.output, args.sequential, args.aborts = 8, 32, 32, 4, 4
     torch.set_num_threads(args.threads)
     args.model = resolve_model(args.model)
 
-    checkpoint = load_checkpoint(args.model)
-    hf = load_hf(args.model)
+    try:
+        placement = machine_placement(args.device, args.dtype)
+    except PlacementError as exc:
+        parser.error(str(exc))
+    if placement.on_gpu:  # fp32 means fp32: no TF32 matrix products on either side
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    exact = placement.dtype is torch.float32  # greedy output must then equal HF's
+
+    checkpoint = load_checkpoint(args.model, placement=placement)
+    hf = load_hf(args.model, placement)
     pad_id = checkpoint.tokenizer.eos_token_id or 0
     prompts = make_prompts(checkpoint, args.requests, args.prompt, args.seed)
     print(
         f"model {checkpoint.name}: {args.requests} requests x ({args.prompt} prompt + "
-        f"{args.output} output tokens), {args.threads} torch threads",
+        f"{args.output} output tokens), {args.threads} torch threads, on "
+        f"{placement.describe()}",
         flush=True,
     )
     hf_generate(hf, prompts[:2], 4, pad_id)  # warm-up, both sides
@@ -310,14 +339,18 @@ def main(argv: list[str] | None = None) -> int:
     aborts = asyncio.run(run_aborts(checkpoint, prompts, args))
 
     problems = []
+    agreement: list[tuple[str, str, str]] = []
     for name, run in (("HF sequential", sequential), ("HF static batch", batch)):
         same = sum(a == b for a, b in zip(ours.completions, run.completions, strict=False))
-        if same < len(run.completions):
+        if same < len(run.completions) and exact:
             problems.append(
                 f"{name}: {len(run.completions) - same} of {len(run.completions)} greedy "
                 "completions differ from ours"
             )
-    if single.completions != sequential.completions:
+        agreement.append(
+            (f"greedy completions equal to {name}", f"{same} of {len(run.completions)}", "")
+        )
+    if single.completions != sequential.completions and exact:
         problems.append("ours one at a time: greedy completions differ from HF sequential")
     if aborts.blocks_leaked:
         problems.append(f"{aborts.blocks_leaked} KV blocks still used after every abort")
@@ -345,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             str(aborts.max_steps_ended_before_reply),
             _verdict(one_step, "<= 1"),
         ),
+        *agreement,
     ]
     print("\n| metric | value | target |\n|---|---|---|")
     for metric, value, target in rows:

@@ -41,6 +41,7 @@ from sluice.engine.default_model import (
 from sluice.engine.driver import AsyncEngine
 from sluice.engine.loader import load_checkpoint
 from sluice.engine.model_runner import PagedModel
+from sluice.engine.placement import Placement, add_placement_arguments, machine_placement
 from sluice.engine.speculative import SpeculativeConfig
 from sluice.errors import ConfigError
 from sluice.gateway.app import SluiceApp, create_app
@@ -278,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="draft exactly --num-speculative-tokens every step (no adaptive k)",
     )
+    add_placement_arguments(serve)
     serve.add_argument(
         "--engine-threads",
         type=_count,
@@ -781,9 +783,11 @@ def _embedded_engine(
     # and each of its parallel sections waits for the slowest (measured on 2 loaded vCPUs:
     # 2 threads ran a step 3-16x slower than 1).
     torch.set_num_threads(args.engine_threads)
-    checkpoint = load_checkpoint(args.model, name=name)
+    placement = machine_placement(args.device, args.dtype)
+    checkpoint = load_checkpoint(args.model, name=name, placement=placement)
+    print(f"Sluice: {checkpoint.name} on {placement.describe()}", flush=True)
     tokenizer = checkpoint.tokenizer
-    speculation, draft_model = _speculation(args)
+    speculation, draft_model = _speculation(args, placement)
     engine = checkpoint.engine(
         num_blocks=args.kv_blocks,
         max_num_seqs=args.max_running,
@@ -808,7 +812,9 @@ def _embedded_engine(
     return checkpoint.name, backend, _warm_engine(driver, backend)
 
 
-def _speculation(args: argparse.Namespace) -> tuple[SpeculativeConfig | None, PagedModel | None]:
+def _speculation(
+    args: argparse.Namespace, placement: Placement
+) -> tuple[SpeculativeConfig | None, PagedModel | None]:
     """Speculative decoding as ``--speculative`` and ``--draft-model`` ask (off without
     either); :class:`ConfigError` for a combination that cannot run."""
     method: Literal["draft", "ngram"] | None = args.speculative or (
@@ -828,7 +834,11 @@ def _speculation(args: argparse.Namespace) -> tuple[SpeculativeConfig | None, Pa
         )
     except ValueError as exc:
         raise ConfigError(f"--num-speculative-tokens: {exc}") from exc
-    draft = None if args.draft_model is None else load_checkpoint(args.draft_model).model
+    draft = (
+        None
+        if args.draft_model is None
+        else load_checkpoint(args.draft_model, placement=placement).model
+    )
     return config, draft
 
 

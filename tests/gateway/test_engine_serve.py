@@ -105,6 +105,53 @@ def test_an_impossible_ttft_objective_stops_serve_with_a_clear_message(
     assert message in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--device", "cuda"], "sees no CUDA device"),
+        (["--device", "tpu"], "expected auto, cpu, cuda or cuda:N"),
+        (["--dtype", "float16"], "not served on the CPU"),
+    ],
+)
+def test_a_device_or_dtype_the_machine_lacks_stops_serve_with_a_clear_message(
+    options: list[str], message: str
+) -> None:
+    """This project's torch is the CPU build: a GPU asked for is refused at start."""
+    if torch.cuda.is_available() and options[0] == "--device":  # a GPU machine has one
+        options = ["--device", "cuda:99"]
+        message = "CUDA device(s)"
+    command = [sys.executable, "-m", "sluice.cli", "serve", "--port", "0"]
+    result = subprocess.run(
+        [*command, "--model", str(BUNDLED_MODEL), *options],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_the_bundled_model_served_in_bfloat16_streams_its_greedy_text() -> None:
+    """``--dtype bfloat16`` (the CPU's half precision; a GPU's default): weights and KV
+    cache in bf16, sampling in fp32; the bundled model's greedy text is fp32's here."""
+    prompt = {"prompt": "Return the number of", "max_tokens": 12, "temperature": 0}
+    texts = []
+    for dtype in ("float32", "bfloat16"):
+        options = ("--model", str(BUNDLED_MODEL), "--dtype", dtype, "--kv-blocks", "64")
+        with ServerProcess(*options) as server:
+            created = httpx.post(f"{server.base_url}/v1/streams", json=prompt).json()
+            raw = httpx.get(f"{server.base_url}{created['events_url']}", timeout=60).content
+            events = Decoder().feed(raw)
+            assert orjson.loads(events[-1].data) == {"reason": "length"}
+            texts.append(
+                "".join(orjson.loads(e.data)["text"] for e in events if e.event == "token")
+            )
+            assert server.stop() == 0
+    assert texts[0].strip()
+    assert texts[1] == texts[0]
+
+
 def test_the_bundled_model_streams_the_engines_greedy_tokens(
     server: ServerProcess,
 ) -> None:

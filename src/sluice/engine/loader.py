@@ -19,8 +19,9 @@ missing ``lm_head.weight`` is tied to the token embedding, as in Hugging Face.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ from sluice.engine.model_runner import PagedModel
 from sluice.engine.models.gpt2 import GPT2Config, GPT2LMHeadModel
 from sluice.engine.models.llama import LlamaConfig, LlamaForCausalLM
 from sluice.engine.outputs import EngineConfig
+from sluice.engine.placement import Placement
 from sluice.engine.speculative import SpeculativeConfig
 from sluice.engine.tokenizer import Tokenizer, TokenizerError
 
@@ -61,6 +63,7 @@ class Checkpoint:
     bos_token: str = ""
     eos_token: str = ""
     weight_files: tuple[Path, ...] = ()
+    placement: Placement = field(default_factory=Placement.cpu)
 
     def engine(
         self,
@@ -216,9 +219,19 @@ def _load_gguf(path: Path, name: str) -> Checkpoint:
     )
 
 
-def load_checkpoint(path: str | Path, *, name: str | None = None) -> Checkpoint:
-    """Load a checkpoint directory or a GGUF file (see the module) onto the CPU in fp32."""
-    path = Path(path)
+def load_checkpoint(
+    path: str | Path, *, name: str | None = None, placement: Placement | None = None
+) -> Checkpoint:
+    """Load a checkpoint directory or a GGUF file (see the module): read in fp32 on the
+    CPU, then moved to ``placement``'s device and dtype (default: stay there)."""
+    checkpoint = _load(Path(path), name)
+    if placement is None or placement == checkpoint.placement:
+        return checkpoint
+    checkpoint.model.to(device=placement.device, dtype=placement.dtype)
+    return dataclasses.replace(checkpoint, placement=placement)
+
+
+def _load(path: Path, name: str | None) -> Checkpoint:
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise CheckpointError(f"{path}: not a .gguf file nor a checkpoint directory")

@@ -40,6 +40,7 @@ from sluice.engine.driver import AsyncEngine
 from sluice.engine.engine import EngineConfig
 from sluice.engine.loader import Checkpoint, load_checkpoint
 from sluice.engine.models.llama import LlamaConfig
+from sluice.engine.placement import add_placement_arguments, machine_placement
 from sluice.engine.sampling_params import SamplingParams
 from sluice.errors import ConfigError
 from sluice.grpc_api import hosting
@@ -82,6 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-running", type=int, default=64, help="sequences the engine runs in one batch"
     )
+    add_placement_arguments(parser)
     parser.add_argument(
         "--engine-threads",
         type=int,
@@ -178,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
         name = None
         if args.model is None:
             args.model, name = default_model_file(), DEFAULT_MODEL_NAME
-        checkpoint = load_checkpoint(args.model, name=name)
+        placement = machine_placement(args.device, args.dtype)
+        checkpoint = load_checkpoint(args.model, name=name, placement=placement)
         engine = checkpoint.engine(num_blocks=args.kv_blocks, max_num_seqs=args.max_running)
     except (OSError, ValueError) as exc:
         print(f"sluice worker: {exc}", file=sys.stderr)
