@@ -599,11 +599,37 @@ async def measure(
     return results, resumes, idle
 
 
+async def grpc_floor(n: int, k: int, log: Path) -> tuple[float, int]:
+    """Server CPU seconds and tokens of ``n`` ``Generate`` streams of ``k`` tokens from
+    ``grpc_floor_server.py`` (a bare ``grpc.aio`` server), read as the grpc transport is."""
+    port = free_port()
+    command = [sys.executable, str(Path(__file__).with_name("grpc_floor_server.py"))]
+    with log.open("ab") as out:
+        process = await asyncio.create_subprocess_exec(
+            *command, "--port", str(port), stdout=out, stderr=asyncio.subprocess.STDOUT
+        )
+    try:
+        async with grpc.aio.insecure_channel(f"{HOST}:{port}") as channel:
+            await asyncio.wait_for(channel.channel_ready(), 60)
+        level = Level()
+        warm_ns = time.monotonic_ns() + int(1.0e9)
+        cpu0 = process_cpu_s(process.pid)
+        await grpc_streams(f"{HOST}:{port}", n, k, level, warm_ns)
+        cpu_s = process_cpu_s(process.pid) - cpu0
+        if level.missing or level.doubled or level.errors:
+            raise RuntimeError(f"grpc floor: {level.missing} lost, {level.errors} failed")
+        return cpu_s, level.tokens
+    finally:
+        process.terminate()
+        await process.wait()
+
+
 def report(
     transports: tuple[str, ...],
     results: dict[tuple[str, int], Level],
     resumes: dict[str, float],
     idle: dict[str, float],
+    floor: tuple[float, int] | None = None,
 ) -> list[str]:
     levels = sorted({n for _, n in results})
     lines = ["| metric | " + " | ".join(transports) + " |", "|---|" + "---|" * len(transports)]
@@ -664,6 +690,16 @@ def report(
         + " | ".join(verdict)
         + " |"
     )
+    if floor is not None and "grpc" in transports:
+        floor_s, floor_tokens = floor[0] / max(1, floor[1]), floor[1]
+        lines.append("")
+        lines.append(
+            f"The floor of gRPC here: a bare `grpc.aio` server (`grpc_floor_server.py`: a "
+            f"queue and a `context.write` a token, nothing else), {judged} streams, "
+            f"{floor_tokens} tokens: {floor_s * 1e6:.1f} s per 1M tokens, "
+            f"{floor_s / cpu[0]:.2f}x sse-h1's (Sluice's gRPC: "
+            f"{cpu[transports.index('grpc')] / cpu[0]:.2f}x)."
+        )
     lines.append("")
     lines.append("| transport | gains / loses |")
     lines.append("|---|---|")
@@ -699,8 +735,14 @@ def main(argv: list[str] | None = None) -> int:
         server = ServerProcess("sluice", command, ports.http1, "/readyz", log)
         with server:
             results, resumes, idle = asyncio.run(measure(args, ports, server.pid))
+        floor = None
+        if "grpc" in args.transports:  # after ours has stopped: the machine to itself
+            levels = sorted({n for _, n in results})
+            judged = levels[len(levels) // 2]  # as report() judges
+            k = 50 if args.quick else 150
+            floor = asyncio.run(grpc_floor(judged, k, Path(tmp) / "grpc-floor.log"))
         trouble = scan_log(log)
-    print("\n".join(report(args.transports, results, resumes, idle)))
+    print("\n".join(report(args.transports, results, resumes, idle, floor)))
     failed = sum(r.missing + r.doubled + r.errors for r in results.values())
     for line in trouble:
         print(f"server log: {line}", file=sys.stderr)
