@@ -690,7 +690,9 @@ def _http2(args: argparse.Namespace) -> Http2Options | None:
     for path in (args.ssl_certfile, args.ssl_keyfile):
         if path is not None and not path.is_file():
             raise ConfigError(f"no such file: {path}")
-    options = Http2Options(args.host, port, args.ssl_certfile, args.ssl_keyfile)
+    options = Http2Options(
+        args.host, port, args.ssl_certfile, args.ssl_keyfile, native=args.native_sse
+    )
     check_tls(options)
     return options
 

@@ -166,7 +166,9 @@ class SluiceApp:
                 self.grpc_port = await fronts.enter_async_context(front)
                 logger.info("gRPC on %s:%d", settings.grpc_host, self.grpc_port)
             if settings.http2 is not None:
-                port = await fronts.enter_async_context(serving_http2(self, settings.http2))
+                port = await fronts.enter_async_context(
+                    serving_http2(self, self.opener, settings.http2)
+                )
                 scheme = "https" if settings.http2.tls else "http (h2c)"
                 logger.info("HTTP/2 on %s://%s:%d", scheme, settings.http2.host, port)
             yield

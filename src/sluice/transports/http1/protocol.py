@@ -40,10 +40,13 @@ from sluice.transports.sse import SSE_HEADERS, CallbackSSE
 
 __all__ = [
     "HEADER_LINE_OVERHEAD",
+    "INTERNAL_ERROR",
     "BusyConnections",
     "ExchangeHost",
     "HeadMeter",
     "NativeExchange",
+    "RequestBody",
+    "no_body",
     "set_write_deadline",
 ]
 
@@ -58,7 +61,7 @@ HEADER_LINE_OVERHEAD = 4
 # one socket read of slack (a read may also carry the end of the previous request).
 _HEAD_READ_SLACK_BYTES = 64 * 1024
 # What a request whose answer failed inside the server gets (as uvicorn's own 500).
-_INTERNAL_ERROR = Whole(
+INTERNAL_ERROR = Whole(
     500,
     ((b"content-type", b"text/plain; charset=utf-8"),),
     b"Internal Server Error",
@@ -127,7 +130,7 @@ class HeadMeter:
         return None
 
 
-class _Body:
+class RequestBody:
     """A request body as it arrives, bounded: at most ``max_bytes + 1`` bytes are kept."""
 
     __slots__ = ("_chunks", "_complete", "_max_bytes", "_num_bytes", "_on_read")
@@ -161,7 +164,7 @@ class _Body:
         return body[: max_bytes + 1]
 
 
-async def _no_body(max_bytes: int) -> bytes:
+async def no_body(max_bytes: int) -> bytes:
     """The body of a request whose route reads none."""
     return b""
 
@@ -231,8 +234,10 @@ class NativeExchange:
         self._chunked = chunked
         self._host = host
         # Only while a route reads it: a held stream keeps no body (nor its future).
-        self._body: _Body | None = (
-            _Body(opener.limits.max_body_bytes, host.send_continue) if route.takes_body else None
+        self._body: RequestBody | None = (
+            RequestBody(opener.limits.max_body_bytes, host.send_continue)
+            if route.takes_body
+            else None
         )
         self._task: asyncio.Task[None] | None = None
         self._shutting_down = False
@@ -267,10 +272,10 @@ class NativeExchange:
         try:
             body = self._body
             scope = self._scope or {}
-            answer = await self._route.answer(scope, _no_body if body is None else body.read)
+            answer = await self._route.answer(scope, no_body if body is None else body.read)
         except Exception:
             logger.exception("the answer to %s %s failed", scope.get("method"), scope.get("path"))
-            answer = _INTERNAL_ERROR
+            answer = INTERNAL_ERROR
             self.keep_alive = False
         self._task = None
         self._body = None  # the route is done with it
