@@ -5,11 +5,12 @@ stalled stream must not stall the other."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import ssl
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import h2.config
@@ -19,7 +20,7 @@ import httpx
 import pytest
 import trustme
 
-from sluice.sse import Decoder
+from sluice.sse import Decoder, Event
 from tests.server import ServerProcess
 
 WAIT_S = 30.0
@@ -196,3 +197,137 @@ def test_a_certificate_that_does_not_load_stops_the_start_with_a_clear_error(
     )
     assert alone.returncode == 2
     assert b"--ssl-certfile and --ssl-keyfile are for --http2" in alone.stderr
+
+
+class RawH2:
+    """A client of our own over ``h2``: what httpx does not let a test do (reset a stream,
+    see the GOAWAY), with every stream's body and end kept."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self.conn.initiate_connection()
+        self.sock.sendall(self.conn.data_to_send())
+        self.bodies: dict[int, bytearray] = {}
+        self.statuses: dict[int, bytes] = {}
+        self.ended: set[int] = set()
+        self.reset: set[int] = set()
+        self.goaway: h2.events.ConnectionTerminated | None = None
+
+    def get(self, path: str) -> int:
+        stream_id = self.conn.get_next_available_stream_id()
+        headers = [(":method", "GET"), (":scheme", "http"), (":path", path)]
+        headers.append((":authority", f"127.0.0.1:{self.port}"))
+        self.conn.send_headers(stream_id, headers, end_stream=True)
+        self.sock.sendall(self.conn.data_to_send())
+        self.bodies[stream_id] = bytearray()
+        return stream_id
+
+    def cancel(self, stream_id: int) -> None:
+        self.conn.reset_stream(stream_id)
+        self.sock.sendall(self.conn.data_to_send())
+
+    def read_until(self, done: Callable[[], bool]) -> None:
+        while not done():
+            data = self.sock.recv(65536)
+            if not data:
+                return
+            for event in self.conn.receive_data(data):
+                if isinstance(event, h2.events.ResponseReceived):
+                    self.statuses[event.stream_id] = dict(event.headers)[b":status"]
+                elif isinstance(event, h2.events.DataReceived):
+                    self.bodies.setdefault(event.stream_id, bytearray()).extend(event.data)
+                    self.conn.acknowledge_received_data(
+                        event.flow_controlled_length, event.stream_id
+                    )
+                elif isinstance(event, h2.events.StreamEnded):
+                    self.ended.add(event.stream_id)
+                elif isinstance(event, h2.events.StreamReset):
+                    self.reset.add(event.stream_id)
+                elif isinstance(event, h2.events.ConnectionTerminated):
+                    self.goaway = event
+            self.sock.sendall(self.conn.data_to_send())
+
+    def events(self, stream_id: int) -> list[Event]:
+        return Decoder().feed(bytes(self.bodies[stream_id]))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_stream_the_client_resets_leaves_its_connection_serving(h2c: H2Server) -> None:
+    client = RawH2(h2c.port)
+    try:
+        long = client.get("/v1/demo/words?text=" + "+".join(["w"] * 500) + "&interval_ms=20")
+        client.read_until(lambda: b"event: token" in client.bodies[long])
+        client.cancel(long)
+        short = client.get("/v1/demo/words?text=after%20the%20reset&interval_ms=1")
+        client.read_until(lambda: short in client.ended)
+    finally:
+        client.close()
+    assert token_texts(bytes(client.bodies[short])) == ["after", " the", " reset"]
+    assert long not in client.ended
+
+
+def test_http11_on_the_h2c_port_is_the_native_path_with_its_limits(h2c: H2Server) -> None:
+    with httpx.Client(base_url=h2c.url, http2=False, timeout=WAIT_S) as client:
+        response = client.get("/v1/demo/words?text=plain%20h1&interval_ms=1")
+        assert response.http_version == "HTTP/1.1"
+        assert token_texts(response.content) == ["plain", " h1"]
+        too_long = client.get("/healthz?" + "x" * 9000)
+        assert too_long.status_code == 414
+
+
+def test_limits_over_h2_are_the_http11_ports_and_cost_one_stream(h2c: H2Server) -> None:
+    with httpx.Client(base_url=h2c.url, http1=False, http2=True, timeout=WAIT_S) as client:
+        too_long = client.get("/v1/demo/words?text=" + "x" * 9000)
+        assert too_long.http_version == "HTTP/2"
+        assert too_long.status_code == 414
+        assert too_long.json()["error"]["code"] == "url_too_long"
+        body = {"model": "words", "messages": [{"role": "user", "content": "y" * 1_100_000}]}
+        too_big = client.post("/v1/chat/completions", json=body)
+        assert too_big.status_code == 413
+        # The same connection serves on.
+        assert client.get("/healthz").status_code == 200
+
+
+def test_sigterm_ends_h2_streams_on_an_event_boundary_then_goaway() -> None:
+    """Drain over h2: the live stream gets one retryable error and a clean END_STREAM (not
+    a reset), the connection a GOAWAY, and the process exits 0."""
+    port = free_port()
+    with ServerProcess("--no-model", "--http2-port", str(port), "--drain-timeout", "1") as server:
+        server.wait_ready()
+        client = RawH2(port)
+        try:
+            stream = client.get("/v1/demo/words?text=" + "+".join(["d"] * 400) + "&interval_ms=50")
+            client.read_until(lambda: b"event: token" in client.bodies[stream])
+            assert server.process is not None
+            server.process.send_signal(signal.SIGTERM)
+            client.read_until(lambda: stream in client.ended and client.goaway is not None)
+        finally:
+            client.close()
+        events = client.events(stream)
+        terminal = [e for e in events if e.event in ("done", "error")]
+        assert [e.event for e in terminal] == ["error"]
+        assert events[-1] is terminal[0]
+        assert json.loads(terminal[0].data)["code"] == "unavailable"
+        assert client.goaway is not None
+        assert client.goaway.error_code == 0
+        assert server.process.wait(timeout=WAIT_S) == 0
+
+
+def test_without_the_native_path_h2_streams_through_the_asgi_app() -> None:
+    """``--no-native-sse``: the same reads and APIs over h2, through ``receive``/``send``."""
+    port = free_port()
+    with ServerProcess("--no-model", "--http2-port", str(port), "--no-native-sse") as server:
+        server.wait_ready()
+        base = f"http://127.0.0.1:{port}"
+        with httpx.Client(base_url=base, http1=False, http2=True, timeout=WAIT_S) as client:
+            response = client.get("/v1/demo/words?text=through%20asgi&interval_ms=1")
+            assert response.http_version == "HTTP/2"
+            assert token_texts(response.content) == ["through", " asgi"]
+            body = {"model": "words", "messages": [{"role": "user", "content": "a b"}]}
+            chat = client.post("/v1/chat/completions", json={**body, "stream": False})
+            assert chat.status_code == 200
+            assert chat.json()["choices"][0]["message"]["content"] == "a b"
