@@ -385,6 +385,7 @@ class _AsgiStream(_Stream):
     __slots__ = (
         "body_given",
         "chunks",
+        "unacknowledged",
         "complete",
         "done",
         "drained",
@@ -400,6 +401,7 @@ class _AsgiStream(_Stream):
         self.request_ended = False  # given back until they are: h2's own bound)
         self.complete = False  # the app sent its last body message
         self.body_given = False  # receive() has returned the whole body
+        self.unacknowledged = 0  # flow-controlled bytes received, not yet given back
         self.received: asyncio.Future[None] | None = None  # receive() waits for the body
         self.drained: asyncio.Future[None] | None = None  # send() waits for the window
         self.done: asyncio.Future[None] | None = None  # receive() waits for the end
@@ -437,8 +439,20 @@ class _AsgiStream(_Stream):
         self.request_ended = True
         _wake(self.received)
 
+    def _give_back(self) -> None:
+        """Return the window of what was received (read, or never to be)."""
+        num_bytes, self.unacknowledged = self.unacknowledged, 0
+        self.conn.acknowledge(self.id, num_bytes)
+
+    def _close(self) -> None:
+        super()._close()
+        self.chunks.clear()  # a body the app did not read: its window is the connection's
+        self._give_back()
+
     def on_lost(self) -> None:
         super().on_lost()
+        self.chunks.clear()
+        self._give_back()
         _wake(self.received)
         _wake(self.drained)
         _wake(self.done)
@@ -453,7 +467,7 @@ class _AsgiStream(_Stream):
             if not self.lost:
                 body = b"".join(self.chunks)
                 self.chunks.clear()
-                self.conn.acknowledge(self.id, len(body))
+                self._give_back()
                 self.body_given = self.request_ended
                 return {"type": "http.request", "body": body, "more_body": not self.body_given}
         while not self.lost and not self.complete:
@@ -563,7 +577,9 @@ class H2Protocol(asyncio.Protocol):
             if isinstance(event, h2.events.DataReceived):
                 stream = self.streams.get(event.stream_id)
                 if isinstance(stream, _AsgiStream) and not stream.ended:
-                    stream.on_body(event.data)  # its window is given back as it is read
+                    # Its window is given back as the app reads it: h2's own bound.
+                    stream.unacknowledged += event.flow_controlled_length
+                    stream.on_body(event.data)
                 else:
                     if stream is not None:
                         stream.on_body(event.data)
