@@ -29,6 +29,15 @@ must be equal; a mismatch is listed under "Problems").
 ``--model`` takes a checkpoint directory, a ``.gguf`` file (``transformers`` loads the same
 file with its GGUF support), or ``default`` for the model ``sluice serve`` loads by default.
 
+``--peers vllm,llama.cpp`` adds the engines users would pick instead, in the same run on the
+same prompts (token ids) and workload: vLLM CPU and llama.cpp, each in its own venv under
+``.peers/`` (``scripts/install_peers.sh``; a peer that is not there is reported as "not
+installed", never fatal), each run in its own process by ``bench/engine_peers/``'s runner
+for it, on its own copy of the model (``sluice-tiny`` and ``--model default`` only, both
+fp32). The report adds each peer's output tokens/s all at once and one sequence at a time,
+its TTFT, the issue's targets (ours >= 1.0x vLLM CPU all at once, >= 0.5x llama.cpp one
+sequence) and whether its greedy output equals ours (a difference is listed, not a failure).
+
 ``--device`` and ``--dtype`` place both engines (ours as ``sluice serve --device --dtype``,
 ``transformers`` on the same device in the same dtype): on a GPU machine,
 ``scripts/gpu_check.sh`` runs it in float32 (greedy output must equal ``transformers``'s,
@@ -55,6 +64,9 @@ from pathlib import Path
 import torch
 import transformers
 
+from engine_peers.launcher import PEERS, PeerOutcome, parse_peer_names, peer_by_name, run_peer
+from engine_peers.protocol import Job
+from engine_peers.report import OursFigures, peer_rows, summary_table
 from sluice.engine.default_model import default_model_file
 from sluice.engine.driver import AsyncEngine
 from sluice.engine.engine import Engine, EngineConfig
@@ -189,6 +201,35 @@ def run_ours_one_at_a_time(
     return Run(sum(len(c) for c in completions) / elapsed, elapsed, completions)
 
 
+def peer_model_key(model: Path) -> str | None:
+    """Which of the peers' copies (``launcher.MODEL_KEYS``) ``model`` (resolved) is, if any."""
+    if model.resolve() == BUNDLED_MODEL.resolve():
+        return "sluice-tiny"
+    try:
+        default = default_model_file()
+    except FileNotFoundError:
+        return None
+    return "smollm2-135m" if model.resolve() == default.resolve() else None
+
+
+def run_peers(
+    names: list[str], prompts: list[list[int]], args: argparse.Namespace
+) -> list[PeerOutcome]:
+    """Each named peer on the same prompts and workload, one after another."""
+    job = Job(
+        model="",  # each peer's own copy (run_peer)
+        prompts=prompts,
+        output_tokens=args.output,
+        num_sequential=args.sequential,
+        threads=args.threads,
+        max_model_len=args.prompt + args.output,
+    )
+    key = peer_model_key(args.model)
+    return [
+        run_peer(peer_by_name(n), job, key, timeout_s=args.peer_timeout_s, log=print) for n in names
+    ]
+
+
 def resolve_model(model: Path) -> Path:
     """``default`` is the model ``sluice serve`` loads when told none."""
     if str(model) == "default":
@@ -300,7 +341,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N (default cpu)")
     parser.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
+    parser.add_argument(
+        "--peers",
+        default="",
+        help=f"comma-separated engines to run too ({', '.join(p.name for p in PEERS)}; "
+        "scripts/install_peers.sh installs them); default none",
+    )
+    parser.add_argument("--peer-timeout-s", type=float, default=1800.0, help="per peer")
     args = parser.parse_args(argv)
+    try:
+        peer_names = parse_peer_names(args.peers)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.quick:
         args.requests, args.prompt, args.output, args.sequential, args.aborts = 8, 32, 32, 4, 4
     torch.set_num_threads(args.threads)
@@ -337,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     single = run_ours_one_at_a_time(checkpoint, prompts[: args.sequential], args)
     print(f"ours, one sequence: {single.tokens_per_s:.0f} tok/s", flush=True)
     aborts = asyncio.run(run_aborts(checkpoint, prompts, args))
+    outcomes = run_peers(peer_names, prompts, args) if peer_names else []
 
     problems = []
     agreement: list[tuple[str, str, str]] = []
@@ -380,9 +433,22 @@ def main(argv: list[str] | None = None) -> int:
         ),
         *agreement,
     ]
+    figures_for_peers = OursFigures(
+        batch_tokens_per_s=ours.tokens_per_s,
+        one_sequence_tokens_per_s=single.tokens_per_s,
+        hf_batch_tokens_per_s=batch.tokens_per_s,
+        batch_completions=ours.completions,
+        one_sequence_completions=single.completions,
+    )
+    more_rows, peer_notes = peer_rows(outcomes, figures_for_peers)
+    rows += more_rows
     print("\n| metric | value | target |\n|---|---|---|")
     for metric, value, target in rows:
         print(f"| {metric} | {value} | {target} |")
+    if outcomes:
+        print("\n" + summary_table(outcomes, figures_for_peers, args.requests))
+    if peer_notes:
+        print("\nPeers:\n" + "\n".join(f"- {n}" for n in peer_notes))
     if problems:
         print("\nProblems:\n" + "\n".join(f"- {p}" for p in problems))
     if args.json:
@@ -396,7 +462,10 @@ def main(argv: list[str] | None = None) -> int:
                 ("aborts", aborts),
             )
         }
-        args.json.write_text(json.dumps({**figures, "problems": problems}, indent=2))
+        peers = {o.peer.name: o.figures() for o in outcomes}
+        args.json.write_text(
+            json.dumps({**figures, "peers": peers, "problems": problems}, indent=2)
+        )
     return 1 if problems else 0
 
 
