@@ -336,10 +336,10 @@ class _NativeStream(_Stream):
             finish=self._sse_done,
         )
         self.sse = sse
-        if self.conn.transport_paused:
-            self.paused = True
-            sse.core.on_paused(time.monotonic())
         sse.start()
+        if self.conn.transport_paused and self.sse is not None and not self.paused:
+            self.paused = True
+            self.sse.pause_writing()
         if self.conn.shutting_down and self.sse is not None:
             self.sse.interrupt()
 
@@ -385,7 +385,6 @@ class _AsgiStream(_Stream):
     __slots__ = (
         "body_given",
         "chunks",
-        "unacknowledged",
         "complete",
         "done",
         "drained",
@@ -393,6 +392,7 @@ class _AsgiStream(_Stream):
         "request_ended",
         "response_head",
         "task",
+        "unacknowledged",
     )
 
     def __init__(self, conn: H2Protocol, stream_id: int, scope: Scope) -> None:
