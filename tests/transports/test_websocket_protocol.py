@@ -15,6 +15,7 @@ from sluice.transports.longpoll import (
     encode_poll,
     parse_poll_query,
 )
+from sluice.transports.native_json import native_message
 from sluice.transports.websocket_protocol import (
     Cancel,
     Create,
@@ -95,6 +96,17 @@ def test_event_messages_carry_the_native_names_data_and_shared_ids() -> None:
     ]  # fmt: skip
     assert b"".join(frames.frames(batch)) == body
     assert [m.count(b"\n") for m in frames.frames(batch)] == [1] * len(EVENTS)  # one each
+
+
+def test_each_event_message_embeds_the_native_data_text_byte_for_byte() -> None:
+    frames = WebSocketFrames(SID)
+    for seq, event in enumerate((*EVENTS, TextDelta("é 🙂 \\ \u2028")), 1):
+        name, data = native_message(event)
+        expected = (
+            f'{{"type":"event","stream_id":"{SID}","id":"{SID}:{seq}",'
+            f'"event":"{name}","data":{data}}}\n'
+        )
+        assert frames.body(Batch(seq, (event,))) == expected.encode()
 
 
 def test_merged_tokens_are_one_message_with_the_id_of_the_last() -> None:

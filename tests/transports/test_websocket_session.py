@@ -53,6 +53,7 @@ class Socket:
             self.scope["extensions"][SEND_TEXTS] = {"send": self.send_texts}
         self.sent: list[Message] = []
         self.attempted: list[Message] = []  # every send asked for, taken or not
+        self.batch_sizes: list[int] = []  # the messages of each batch send asked for
         self.gate = asyncio.Event()
         self.gate.set()
         self.incoming: asyncio.Queue[Message] = asyncio.Queue()
@@ -65,6 +66,7 @@ class Socket:
 
     async def send_texts(self, texts: list[bytes]) -> None:
         messages = [{"type": "websocket.send", "text": text.decode()} for text in texts]
+        self.batch_sizes.append(len(messages))
         self.attempted.extend(messages)
         await self.gate.wait()
         self.sent.extend(messages)
@@ -192,3 +194,40 @@ async def test_closing_the_socket_detaches_every_subscription(batched: bool) -> 
     await serving
     assert len(closed) == 1
     assert session.num_streams == 0
+
+
+async def test_messages_queued_while_a_send_waits_follow_it_in_order_in_one_write(
+    batched: bool,
+) -> None:
+    socket = Socket(batched)
+    socket.gate.clear()
+    session = WebSocketSession(socket.scope, socket.send, OPTIONS, LIMITS)
+    serving = asyncio.create_task(session.serve(socket.receive, socket.handle))
+    session.send_message(error_message("first", "1"))
+    await until("the first send waits", lambda: len(socket.attempted) == 1)
+    session.send_message(error_message("second", "2"))
+    session.send_message(error_message("third", "3"))
+    await asyncio.sleep(0.02)  # the subject: passes in which nothing else may be sent
+    assert len(socket.attempted) == 1
+    socket.gate.set()
+    await until("all went out", lambda: len(socket.sent) == 3)
+    codes = [orjson.loads(m["text"])["code"] for m in socket.sent]
+    assert codes == ["first", "second", "third"]
+    if batched:
+        assert socket.batch_sizes == [1, 2]
+    socket.incoming.put_nowait({"type": "websocket.disconnect", "code": 1000})
+    await serving
+
+
+async def test_a_send_that_fails_unexpectedly_is_raised_by_serve() -> None:
+    socket = Socket(batched=True)
+
+    async def broken(texts: list[bytes]) -> None:
+        raise RuntimeError("messages before websocket.accept")
+
+    socket.scope["extensions"][SEND_TEXTS] = {"send": broken}
+    session = WebSocketSession(socket.scope, socket.send, OPTIONS, LIMITS)
+    serving = asyncio.create_task(session.serve(socket.receive, socket.handle))
+    session.send_message(error_message("first", "1"))
+    with pytest.raises(RuntimeError, match=r"before websocket\.accept"):
+        await asyncio.wait_for(serving, timeout=5)

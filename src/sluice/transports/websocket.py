@@ -4,11 +4,20 @@ Each subscription of a socket is a delivery core (:class:`~sluice.transports.del
 driven by callbacks, exactly as the native SSE path drives it
 (:class:`~sluice.transports.sse.CallbackSSE`: the log wakes it, one timer serves its send
 timeout), with its messages (:class:`~sluice.transports.websocket_protocol.WebSocketFrames`)
-written into the socket's one bounded send queue. Two tasks per socket, in one task group:
-the sender moves the queue to the socket, one text frame per message, what queued while
-the last write went out in the next one (:data:`SEND_TEXTS` where the server has it, else
-one ASGI ``websocket.send`` per message); the receiver reads the client's messages and hands each to the gateway's
-handler, one at a time.
+written into the socket's one bounded send queue.
+
+The queue goes to the socket as the native HTTP/1.1 path's bodies do
+(:mod:`sluice.transports.http1.write_batch`): what the subscriptions queued in one loop
+pass (a token each, appended by the engine's step) is sent at the start of the next, in
+one write, one text frame per message (:data:`SEND_TEXTS` where the server has it, else
+one ASGI ``websocket.send`` per message). The send is run in that callback
+(:func:`~sluice.transports.websocket_eager.start_eagerly`): it nearly always completes
+there (the transport's buffer has room), so a token costs no task wake. A send that has
+to wait for the socket is finished by the sender task, which then sends what queued
+meanwhile; until it has, nothing else is sent.
+
+Two tasks per socket, in one task group: that sender, and the receiver, which reads the
+client's messages and hands each to the gateway's handler, one at a time.
 
 Backpressure and the slow-client policy, as on SSE:
 
@@ -37,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -46,6 +54,7 @@ from sluice.transports.asgi import Receive, Scope, Send
 from sluice.transports.delivery import Delivery, DeliveryOptions
 from sluice.transports.frames import FrameSource
 from sluice.transports.sse import CallbackSSE
+from sluice.transports.websocket_eager import Rest, start_eagerly
 from sluice.transports.websocket_protocol import (
     CLOSE_NOT_RESUMABLE,
     CLOSE_TRY_AGAIN,
@@ -83,6 +92,7 @@ ErrorEncoder = Callable[[str, str, "str | None"], bytes]
 of the socket's protocol: ``(code, message, stream_id)``."""
 
 _COMMENT = b":"  # the core's heartbeat is an SSE comment line: not sent here
+_END = b"\n"  # ends each message of a subscription's body (see split_messages)
 
 
 def texts_sender(scope: Scope, send: Send) -> SendTexts:
@@ -111,18 +121,23 @@ class WebSocketSession:
 
     __slots__ = (
         "_close_code",
+        "_closed",
         "_ended",
         "_errors",
-        "_has_messages",
+        "_failure",
+        "_flush_due",
         "_limits",
+        "_loop",
         "_options",
         "_paused",
         "_queue",
         "_room",
         "_send",
         "_send_texts",
+        "_sender_wake",
         "_subscriptions",
         "_turn",
+        "_waiting_send",
     )
 
     def __init__(
@@ -138,16 +153,23 @@ class WebSocketSession:
         self._errors = errors
         self._options = options
         self._limits = limits
-        self._queue: deque[bytes] = deque()
+        self._queue: list[bytes] = []
         self._subscriptions: dict[str, _Subscription] = {}
         self._paused = False  # the queue is full: every subscription is paused
         self._turn = 0  # which subscription resumes first next time
-        self._has_messages = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._flush_due = False  # a flush is scheduled (or running): the queue goes out
+        # A send that had to wait for the socket (the sender task finishes it); while it
+        # waits, nothing else is sent.
+        self._waiting_send: Rest | None = None
+        self._sender_wake = asyncio.Event()  # set when there is a waiting send
+        self._failure: Exception | None = None  # a send's unexpected error, raised by serve
         # The queue has room: cleared at its bound, set again once drained to the resume
         # mark (with the subscriptions).
         self._room = asyncio.Event()
         self._room.set()
         self._ended = asyncio.Event()
+        self._closed = False  # ended: nothing more is queued or sent (_ended, as a flag)
         self._close_code: int | None = None  # the close the server sends, if any
 
     @property
@@ -199,10 +221,16 @@ class WebSocketSession:
                 sender.cancel()
                 receiver.cancel()
         finally:
+            self._end()  # nothing more is queued or sent
             for subscription in list(self._subscriptions.values()):
                 subscription.shell.connection_lost()  # the reader leaves: grace or cancel
             self._subscriptions.clear()
             self._queue.clear()
+            if self._waiting_send is not None:  # never finished: stop its wait
+                self._waiting_send.close()
+                self._waiting_send = None
+        if self._failure is not None:
+            raise self._failure
         code = self._close_code
         if code is not None:
             # A stuck socket may not take even the close frame: then the handler returns
@@ -214,14 +242,20 @@ class WebSocketSession:
     # ------------------------------------------------------------------ the subscriptions' side
 
     def _write(self, body: bytes) -> None:
+        if body.find(_END) == len(body) - 1:  # one message: a token, the hot path
+            if not body.startswith(_COMMENT):
+                self._enqueue([body[:-1]])
+            return
         self._enqueue([m for m in split_messages(body) if not m.startswith(_COMMENT)])
 
     def _enqueue(self, messages: list[bytes]) -> None:
-        if not messages or self._ended.is_set():
+        if not messages or self._closed:
             return
         queue = self._queue
-        queue.extend(messages)
-        self._has_messages.set()
+        queue += messages
+        if not self._flush_due and self._waiting_send is None:
+            self._flush_due = True
+            self._loop.call_soon(self._flush)
         if len(queue) >= self._limits.max_queued_messages:
             self._room.clear()
             self._paused = True
@@ -229,6 +263,10 @@ class WebSocketSession:
                 shell = subscription.shell
                 if not shell.core.paused and not shell.closed:
                     shell.pause_writing()
+
+    def _end(self) -> None:
+        self._closed = True
+        self._ended.set()
 
     def _finished(self, stream_id: str, clean: bool) -> None:
         subscription = self._subscriptions.pop(stream_id, None)
@@ -250,7 +288,7 @@ class WebSocketSession:
         code = CLOSE_TRY_AGAIN if subscription.resumable else CLOSE_NOT_RESUMABLE
         if self._close_code != CLOSE_NOT_RESUMABLE:
             self._close_code = code
-        self._ended.set()
+        self._end()
 
     def _resume(self) -> None:
         """The queue drained: resume the subscriptions, a different one first each time,
@@ -267,35 +305,76 @@ class WebSocketSession:
             if not subscription.shell.closed:
                 subscription.shell.resume_writing()
 
+    # ------------------------------------------------------------------ the sends
+
+    def _flush(self) -> None:
+        """Send what is queued (the loop's callback, once per pass with messages)."""
+        self._flush_due = False
+        self._send_queued()
+
+    def _send_queued(self) -> None:
+        """Send the queue, :data:`_MAX_BATCH` messages a write, for as long as each send
+        completes at once; a send that has to wait is left to the sender task."""
+        send_texts = self._send_texts
+        self._flush_due = True  # what the sends' side effects queue is sent by this loop
+        try:
+            while self._queue and self._waiting_send is None and not self._closed:
+                batch = self._queue
+                if len(batch) <= _MAX_BATCH:
+                    self._queue = []
+                else:
+                    self._queue = batch[_MAX_BATCH:]
+                    batch = batch[:_MAX_BATCH]
+                try:
+                    rest = start_eagerly(send_texts(batch))
+                except OSError:  # the client is gone (uvicorn's ClientDisconnected)
+                    self._end()
+                    return
+                except Exception as exc:  # not ours to swallow: serve raises it
+                    self._failure = exc
+                    self._end()
+                    return
+                if rest is not None:
+                    self._waiting_send = rest
+                    self._sender_wake.set()
+                    return
+                self._sent()
+        finally:
+            self._flush_due = False
+
+    def _sent(self) -> None:
+        """A write went out: room again below the resume mark."""
+        if len(self._queue) <= self._limits.resume_queued_messages:
+            self._room.set()
+            if self._paused:
+                self._resume()
+
     # ------------------------------------------------------------------ the tasks
 
     async def _send_loop(self) -> None:
-        queue = self._queue
-        limits = self._limits
-        send_texts = self._send_texts
+        """Finish each send that had to wait, then send what queued meanwhile."""
         while True:
-            if not queue:
-                self._has_messages.clear()
-                await self._has_messages.wait()
+            await self._sender_wake.wait()
+            self._sender_wake.clear()
+            rest = self._waiting_send
+            if rest is None:
                 continue
-            # What queued while the last write went out goes out together.
-            batch = [queue.popleft() for _ in range(min(len(queue), _MAX_BATCH))]
             try:
-                await send_texts(batch)
+                await rest
             except OSError:  # the client is gone (uvicorn's ClientDisconnected)
-                self._ended.set()
+                self._waiting_send = None
+                self._end()
                 return
-            if len(queue) <= limits.resume_queued_messages:
-                self._room.set()
-                if self._paused:
-                    self._resume()
+            self._sent()  # may resume subscriptions: what they queue is sent just below
+            self._waiting_send = None
+            self._send_queued()
 
     async def _receive_loop(self, receive: Receive, handle: MessageHandler) -> None:
         while True:
             message = await receive()
             kind = message["type"]
             if kind == "websocket.disconnect":
-                self._ended.set()
+                self._end()
                 return
             if kind != "websocket.receive":
                 continue
