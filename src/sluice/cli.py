@@ -24,7 +24,8 @@ import uvicorn
 from sluice import __version__, loadgen
 from sluice.backends.base import Backend
 from sluice.backends.chat import ChatTemplate
-from sluice.backends.engine import EngineBackend
+from sluice.backends.engine import EngineBackend, EngineDriver
+from sluice.backends.prompt import PromptEncoder
 from sluice.backends.upstream_config import (
     UpstreamSpec,
     list_upstream_models,
@@ -43,6 +44,7 @@ from sluice.engine.loader import load_checkpoint
 from sluice.engine.model_runner import PagedModel
 from sluice.engine.placement import Placement, add_placement_arguments, machine_placement
 from sluice.engine.speculative import SpeculativeConfig
+from sluice.engine_process import EngineSpec, ProcessEngine, start_child
 from sluice.errors import ConfigError
 from sluice.gateway.app import SluiceApp, create_app
 from sluice.gateway.auth import (
@@ -91,6 +93,8 @@ BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "sluice-tiny"
 # producers to write the error before it stops anyway (a backend's abort is quick; this
 # only bounds one that is not).
 _END_NOW_FLUSH_S = 2.0
+# --engine-process: how long start-up waits for the child to load the model.
+_ENGINE_START_TIMEOUT_S = 600.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -287,6 +291,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch threads of the embedded engine (default: the usable cores but one, at "
         "least 1: the event loop keeps a core, and torch's threads never wait for a "
         "descheduled sibling)",
+    )
+    serve.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run the embedded engine in a child process of its own (started with the "
+        "server, stopped with it, started again if it dies), so that its steps and the "
+        "server's event loop do not share one interpreter's lock; the model, placement, "
+        "KV-cache and speculation options apply to it as they are",
     )
     serve.add_argument(
         "--heartbeat-interval",
@@ -779,8 +792,10 @@ def _embedded_engine(
     args: argparse.Namespace, name: str | None = None
 ) -> tuple[str, Backend, contextlib.AbstractAsyncContextManager[object]]:
     """Load ``--model`` (under ``name``, if given) and put the embedded engine behind the
-    Backend seam; the third item runs the engine (its driver thread, warmed up) for the
-    app's lifetime."""
+    Backend seam, on a thread of this process or, with ``--engine-process``, in a child
+    process; the third item runs the engine (warmed up) for the app's lifetime."""
+    if args.engine_process:
+        return _engine_in_child(args, name)
     # Process-wide; a torch thread per core would share the cores with the event loop,
     # and each of its parallel sections waits for the slowest (measured on 2 loaded vCPUs:
     # 2 threads ran a step 3-16x slower than 1).
@@ -788,7 +803,6 @@ def _embedded_engine(
     placement = machine_placement(args.device, args.dtype)
     checkpoint = load_checkpoint(args.model, name=name, placement=placement)
     print(f"Sluice: {checkpoint.name} on {placement.describe()}", flush=True)
-    tokenizer = checkpoint.tokenizer
     speculation, draft_model = _speculation(args, placement)
     engine = checkpoint.engine(
         num_blocks=args.kv_blocks,
@@ -797,21 +811,69 @@ def _embedded_engine(
         draft_model=draft_model,
     )
     driver = AsyncEngine(engine)
-    backend = EngineBackend(
-        checkpoint.name,
+    template = None
+    if checkpoint.chat_template is not None:
+        template = ChatTemplate(
+            checkpoint.chat_template, bos_token=checkpoint.bos_token, eos_token=checkpoint.eos_token
+        )
+    backend = _engine_backend(
+        args, checkpoint.name, driver, checkpoint.tokenizer, template, checkpoint.weight_files
+    )
+    return checkpoint.name, backend, _warm_engine(driver, backend)
+
+
+def _engine_in_child(
+    args: argparse.Namespace, name: str | None
+) -> tuple[str, Backend, contextlib.AbstractAsyncContextManager[object]]:
+    """``--engine-process``: the engine in a child process (:mod:`sluice.engine_process`);
+    the tokenizer and template come from it, as a worker's do."""
+    method, config = _speculative_config(args)
+    spec = EngineSpec(
+        model=args.model,
+        name=name,
+        device=args.device,
+        dtype=args.dtype,
+        num_blocks=args.kv_blocks,
+        max_num_seqs=args.max_running,
+        engine_threads=args.engine_threads,
+        speculation=config,
+        draft_model=None if method != "draft" else Path(args.draft_model),
+    )
+    try:
+        child = start_child(spec, _ENGINE_START_TIMEOUT_S)
+    except RuntimeError as exc:
+        raise ConfigError(str(exc)) from exc
+    info = child.info
+    print(f"Sluice: {info.name} on {info.placement}, in process {child.process.pid}", flush=True)
+    files = read_bundle(info.bundle)
+    template = None
+    if files.chat_template is not None:
+        template = ChatTemplate(
+            files.chat_template, bos_token=files.bos_token, eos_token=files.eos_token
+        )
+    driver = ProcessEngine(spec, child)
+    backend = _engine_backend(args, info.name, driver, files.tokenizer, template, info.weight_files)
+    return info.name, backend, _warm_engine(driver, backend)
+
+
+def _engine_backend(
+    args: argparse.Namespace,
+    name: str,
+    driver: EngineDriver,
+    tokenizer: PromptEncoder,
+    template: ChatTemplate | None,
+    weight_files: tuple[Path, ...],
+) -> EngineBackend:
+    return EngineBackend(
+        name,
         driver,
         tokenizer,
         default_max_tokens=128,
-        chat_template=None
-        if checkpoint.chat_template is None
-        else ChatTemplate(
-            checkpoint.chat_template, bos_token=checkpoint.bos_token, eos_token=checkpoint.eos_token
-        ),
-        version=_weights_version(checkpoint.weight_files),
+        chat_template=template,
+        version=_weights_version(weight_files),
         ttft_slo_s=args.ttft_slo,
         ttft_headroom_s=args.ttft_headroom,
     )
-    return checkpoint.name, backend, _warm_engine(driver, backend)
 
 
 def _speculation(
@@ -819,6 +881,18 @@ def _speculation(
 ) -> tuple[SpeculativeConfig | None, PagedModel | None]:
     """Speculative decoding as ``--speculative`` and ``--draft-model`` ask (off without
     either); :class:`ConfigError` for a combination that cannot run."""
+    method, config = _speculative_config(args)
+    draft = (
+        None if method != "draft" else load_checkpoint(args.draft_model, placement=placement).model
+    )
+    return config, draft
+
+
+def _speculative_config(
+    args: argparse.Namespace,
+) -> tuple[Literal["draft", "ngram"] | None, SpeculativeConfig | None]:
+    """The method and configuration ``--speculative`` and ``--draft-model`` ask for (None
+    without either); :class:`ConfigError` for a combination that cannot run."""
     method: Literal["draft", "ngram"] | None = args.speculative or (
         "draft" if args.draft_model is not None else None
     )
@@ -836,16 +910,13 @@ def _speculation(
         )
     except ValueError as exc:
         raise ConfigError(f"--num-speculative-tokens: {exc}") from exc
-    draft = (
-        None
-        if args.draft_model is None
-        else load_checkpoint(args.draft_model, placement=placement).model
-    )
-    return config, draft
+    return method, config
 
 
 @contextlib.asynccontextmanager
-async def _warm_engine(driver: AsyncEngine, backend: EngineBackend) -> AsyncIterator[object]:
+async def _warm_engine(
+    driver: AsyncEngine | ProcessEngine, backend: EngineBackend
+) -> AsyncIterator[object]:
     async with driver:
         await backend.warm_up()
         yield driver

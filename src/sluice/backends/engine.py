@@ -43,6 +43,7 @@ import dataclasses
 import math
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Protocol, TypeVar
 
 from sluice.backends.admission import RetryAfterPacer, StepCostModel, TtftPredictor
 from sluice.backends.base import Delta, GenerationRequest
@@ -50,14 +51,21 @@ from sluice.backends.chat import SIMPLE_TEMPLATE, ChatTemplate
 from sluice.backends.engine_tools import read_tool_calls, tools_to_show
 from sluice.backends.prompt import PromptEncoder, PromptPreparer
 from sluice.backends.tool_call_parser import HermesToolCallParser
-from sluice.engine.driver import AsyncEngine, EngineDriverError, EngineRequestError, RequestStream
-from sluice.engine.engine import Engine, RequestOutput
+from sluice.engine.driver import EngineDriverError, EngineRequestError, RequestStream
+from sluice.engine.engine import Engine, EngineConfig, RequestOutput, StepStats
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import QueueFullError
 from sluice.errors import BackendError, BadRequestError, CapacityError
 from sluice.events import FinishReason, TextDelta, Usage
 
-__all__ = ["Admission", "EngineBackend", "EngineGeneration", "PromptEncoder"]
+__all__ = [
+    "Admission",
+    "EngineBackend",
+    "EngineDriver",
+    "EngineGeneration",
+    "PromptEncoder",
+    "engine_stats",
+]
 
 # Seconds a client is asked to wait when the engine's waiting queue is full.
 _QUEUE_FULL_RETRY_AFTER_S = 1.0
@@ -66,10 +74,31 @@ _WARM_UP_TEXT = "Return the number of items in the sequence, or raise an error i
 # A refusal's Retry-After is the predicted TTFT over the SLO, predicted up to this many SLOs.
 _RETRY_HORIZON_SLOS = 10.0
 
+T = TypeVar("T")
+
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 
 # Told the seconds from asking for an abort to the engine having applied it (blocks free).
 AbortObserver = Callable[[float], None]
+
+
+class EngineDriver(Protocol):
+    """What the backend drives: :class:`~sluice.engine.driver.AsyncEngine` (the engine on a
+    thread of this process) or :class:`~sluice.engine_process.ProcessEngine` (in a child
+    process). ``call`` runs a module-level function on the engine between steps."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+
+    def set_step_observer(self, observer: Callable[[StepStats], None] | None) -> None: ...
+
+    async def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams
+    ) -> RequestStream: ...
+
+    async def abort(self, request_id: int) -> bool: ...
+
+    async def call(self, fn: Callable[[Engine], T]) -> T: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -108,7 +137,7 @@ class EngineGeneration:
 
     def __init__(
         self,
-        driver: AsyncEngine,
+        driver: EngineDriver,
         prompts: PromptPreparer,
         request: GenerationRequest,
         params: SamplingParams,
@@ -311,7 +340,7 @@ def _request_params(
 
 
 class EngineBackend:
-    """Serves one model name from an :class:`~sluice.engine.driver.AsyncEngine`.
+    """Serves one model name from an :class:`EngineDriver`.
 
     ``params`` holds the sampling settings of every request (greedy, stop tokens, ...); a
     request's ``max_tokens`` (else ``default_max_tokens``) replaces its ``max_tokens``.
@@ -320,7 +349,7 @@ class EngineBackend:
     def __init__(
         self,
         model_name: str,
-        driver: AsyncEngine,
+        driver: EngineDriver,
         tokenizer: PromptEncoder,
         *,
         default_max_tokens: int,
@@ -404,19 +433,7 @@ class EngineBackend:
     async def stats(self) -> dict[str, int]:
         """The engine's queues and KV cache right now (for ``/readyz`` and operators)."""
 
-        def snapshot(engine: Engine) -> dict[str, int]:
-            blocks = engine.block_manager_stats()
-            return {
-                "running": engine.num_running,
-                "waiting": engine.num_waiting,
-                "kv_blocks": blocks.num_blocks,
-                "kv_blocks_used": blocks.num_used_blocks,
-                "prefix_hits": blocks.num_prefix_hits,
-                "preemptions": engine.scheduler.num_preemptions,
-                **_spec_decode_stats(engine),
-            }
-
-        stats = await self._driver.call(snapshot)
+        stats = await self._driver.call(engine_stats)
         stats["queued_prompt_tokens"] = self.predictor.num_queued_tokens
         step_s = self.step_cost.step_s(0, stats["running"])
         stats["decode_step_ms"] = -1 if step_s is None else round(step_s * 1000)
@@ -426,6 +443,20 @@ class EngineBackend:
     async def aclose(self) -> None:
         """Stop the prompt workers; the driver belongs to whoever started it."""
         self._prompts.close()
+
+
+def engine_stats(engine: Engine) -> dict[str, int]:
+    """The engine's queues and KV cache (run on the engine's thread, or in its process)."""
+    blocks = engine.block_manager_stats()
+    return {
+        "running": engine.num_running,
+        "waiting": engine.num_waiting,
+        "kv_blocks": blocks.num_blocks,
+        "kv_blocks_used": blocks.num_used_blocks,
+        "prefix_hits": blocks.num_prefix_hits,
+        "preemptions": engine.scheduler.num_preemptions,
+        **_spec_decode_stats(engine),
+    }
 
 
 def _spec_decode_stats(engine: Engine) -> dict[str, int]:
