@@ -164,8 +164,8 @@ class WebSocketSession:
         self._waiting_send: Rest | None = None
         self._sender_wake = asyncio.Event()  # set when there is a waiting send
         self._failure: Exception | None = None  # a send's unexpected error, raised by serve
-        # The queue has room: cleared at its bound, set again once drained to the resume
-        # mark (with the subscriptions).
+        # The queue has room: cleared at its bound (with every subscription paused), set
+        # again once drained to the resume mark (with the subscriptions).
         self._room = asyncio.Event()
         self._room.set()
         self._ended = asyncio.Event()
@@ -308,13 +308,9 @@ class WebSocketSession:
     # ------------------------------------------------------------------ the sends
 
     def _flush(self) -> None:
-        """Send what is queued (the loop's callback, once per pass with messages)."""
-        self._flush_due = False
-        self._send_queued()
-
-    def _send_queued(self) -> None:
         """Send the queue, :data:`_MAX_BATCH` messages a write, for as long as each send
-        completes at once; a send that has to wait is left to the sender task."""
+        completes at once; a send that has to wait is left to the sender task. The loop's
+        callback, once per pass with messages (and the sender's, after a send waited)."""
         send_texts = self._send_texts
         self._flush_due = True  # what the sends' side effects queue is sent by this loop
         try:
@@ -338,16 +334,16 @@ class WebSocketSession:
                     self._waiting_send = rest
                     self._sender_wake.set()
                     return
-                self._sent()
+                if self._paused:
+                    self._sent()
         finally:
             self._flush_due = False
 
     def _sent(self) -> None:
-        """A write went out: room again below the resume mark."""
+        """A write went out while the queue was full: room again at the resume mark."""
         if len(self._queue) <= self._limits.resume_queued_messages:
             self._room.set()
-            if self._paused:
-                self._resume()
+            self._resume()
 
     # ------------------------------------------------------------------ the tasks
 
@@ -365,9 +361,10 @@ class WebSocketSession:
                 self._waiting_send = None
                 self._end()
                 return
-            self._sent()  # may resume subscriptions: what they queue is sent just below
+            if self._paused:
+                self._sent()  # may resume subscriptions: what they queue is sent just below
             self._waiting_send = None
-            self._send_queued()
+            self._flush()
 
     async def _receive_loop(self, receive: Receive, handle: MessageHandler) -> None:
         while True:
