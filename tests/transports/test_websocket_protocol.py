@@ -7,7 +7,7 @@ import orjson
 import pytest
 
 from sluice.errors import BadRequestError, InvalidParameterError
-from sluice.events import Error, Finished, FinishReason, Started, TextDelta, Usage
+from sluice.events import Error, Finished, FinishReason, NeutralEvent, Started, TextDelta, Usage
 from sluice.streams.log import Batch
 from sluice.transports.longpoll import (
     DEFAULT_POLL_TIMEOUT_S,
@@ -100,7 +100,8 @@ def test_event_messages_carry_the_native_names_data_and_shared_ids() -> None:
 
 def test_each_event_message_embeds_the_native_data_text_byte_for_byte() -> None:
     frames = WebSocketFrames(SID)
-    for seq, event in enumerate((*EVENTS, TextDelta("é 🙂 \\ \u2028")), 1):
+    events: list[NeutralEvent] = [*EVENTS, TextDelta("é 🙂 \\ \u2028")]
+    for seq, event in enumerate(events, 1):
         name, data = native_message(event)
         expected = (
             f'{{"type":"event","stream_id":"{SID}","id":"{SID}:{seq}",'

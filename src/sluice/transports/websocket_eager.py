@@ -3,11 +3,11 @@
 A WebSocket's sends are ``async`` (the ASGI ``send``, the server's batch sender), yet
 nearly every one completes without waiting: the transport's buffer has room, the bytes go
 to the kernel, the coroutine returns. Awaited in a task, each such send still costs a task
-wake (a future, a callback, a step of the task) per message per socket, which was a tenth
-of the server's CPU at 100 token streams. :func:`start_eagerly` runs the coroutine at once
-instead, as Python 3.12's eager tasks do (``asyncio.eager_task_factory``): if it completes,
-that is all; if it has to wait (a full buffer), what is left of it is returned, for a task
-to await.
+wake (a future, a callback, a step of the task) per message per socket: about a tenth of
+the server's CPU at 100 token streams, one socket each (``bench/transports.py``).
+:func:`start_eagerly` runs the coroutine at once instead, as Python 3.12's eager tasks do
+(``asyncio.eager_task_factory``): if it completes, that is all; if it has to wait (a full
+buffer), what is left of it is returned, for a task to await.
 
 Nothing here knows about WebSockets: it steps a coroutine by the protocol every coroutine
 speaks (``send``, ``throw``, ``close``), and hands the future it waits on to the awaiting
