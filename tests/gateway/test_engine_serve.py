@@ -140,7 +140,8 @@ def test_the_bundled_model_served_in_bfloat16_streams_its_greedy_text() -> None:
     for dtype in ("float32", "bfloat16"):
         options = ("--model", str(BUNDLED_MODEL), "--dtype", dtype, "--kv-blocks", "64")
         with ServerProcess(*options) as server:
-            created = httpx.post(f"{server.base_url}/v1/streams", json=prompt).json()
+            server.wait_ready()  # loading takes seconds on a busy machine
+            created = httpx.post(f"{server.base_url}/v1/streams", json=prompt, timeout=60).json()
             raw = httpx.get(f"{server.base_url}{created['events_url']}", timeout=60).content
             events = Decoder().feed(raw)
             assert orjson.loads(events[-1].data) == {"reason": "length"}
