@@ -64,8 +64,15 @@ from pathlib import Path
 import torch
 import transformers
 
-from engine_peers.launcher import PEERS, PeerOutcome, parse_peer_names, peer_by_name, run_peer
-from engine_peers.protocol import Job
+from engine_peers.launcher import (
+    PEERS,
+    PeerOutcome,
+    parse_peer_names,
+    peer_by_name,
+    run_peer,
+    wait_for_quiet,
+)
+from engine_peers.protocol import ForeignCpu, Job
 from engine_peers.report import OursFigures, peer_rows, summary_table
 from sluice.engine.default_model import default_model_file
 from sluice.engine.driver import AsyncEngine
@@ -225,9 +232,12 @@ def run_peers(
         max_model_len=args.prompt + args.output,
     )
     key = peer_model_key(args.model)
-    return [
-        run_peer(peer_by_name(n), job, key, timeout_s=args.peer_timeout_s, log=print) for n in names
-    ]
+    outcomes = []
+    for name in names:
+        peer = peer_by_name(name)
+        wait_for_quiet(args.quiet_wait_s, peer.label, log=print)
+        outcomes.append(run_peer(peer, job, key, timeout_s=args.peer_timeout_s, log=print))
+    return outcomes
 
 
 def resolve_model(model: Path) -> Path:
@@ -348,11 +358,19 @@ def main(argv: list[str] | None = None) -> int:
         "scripts/install_peers.sh installs them); default none",
     )
     parser.add_argument("--peer-timeout-s", type=float, default=1800.0, help="per peer")
+    parser.add_argument(
+        "--quiet-wait-s",
+        type=float,
+        help="before timing each engine, wait up to this long for the machine's other jobs "
+        "to use < 0.25 cores (default: 60 with --peers, else 0)",
+    )
     args = parser.parse_args(argv)
     try:
         peer_names = parse_peer_names(args.peers)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.quiet_wait_s is None:
+        args.quiet_wait_s = 60.0 if peer_names else 0.0
     if args.quick:
         args.requests, args.prompt, args.output, args.sequential, args.aborts = 8, 32, 32, 4, 4
     torch.set_num_threads(args.threads)
@@ -380,13 +398,28 @@ def main(argv: list[str] | None = None) -> int:
     hf_generate(hf, prompts[:2], 4, pad_id)  # warm-up, both sides
     run_ours(checkpoint, prompts[:2], argparse.Namespace(**{**vars(args), "output": 4}))
 
+    foreign: dict[str, float | None] = {}  # other jobs' cores during each run (ForeignCpu)
+
+    def quiet(what: str) -> ForeignCpu:
+        if args.quiet_wait_s:
+            wait_for_quiet(args.quiet_wait_s, what, log=print)
+        return ForeignCpu()
+
+    meter = quiet("ours")
     ours = run_ours(checkpoint, prompts, args)
+    foreign["ours"] = meter.cores()
     print(f"ours: {ours.tokens_per_s:.0f} tok/s", flush=True)
+    meter = quiet("HF sequential")
     sequential = run_hf(hf, prompts[: args.sequential], args.output, pad_id, batched=False)
+    foreign["hf_sequential"] = meter.cores()
     print(f"HF sequential: {sequential.tokens_per_s:.0f} tok/s", flush=True)
+    meter = quiet("HF static batch")
     batch = run_hf(hf, prompts, args.output, pad_id, batched=True)
+    foreign["hf_batch"] = meter.cores()
     print(f"HF static batch: {batch.tokens_per_s:.0f} tok/s", flush=True)
+    meter = quiet("ours, one sequence")
     single = run_ours_one_at_a_time(checkpoint, prompts[: args.sequential], args)
+    foreign["ours_one_sequence"] = meter.cores()
     print(f"ours, one sequence: {single.tokens_per_s:.0f} tok/s", flush=True)
     aborts = asyncio.run(run_aborts(checkpoint, prompts, args))
     outcomes = run_peers(peer_names, prompts, args) if peer_names else []
@@ -439,6 +472,9 @@ def main(argv: list[str] | None = None) -> int:
         hf_batch_tokens_per_s=batch.tokens_per_s,
         batch_completions=ours.completions,
         one_sequence_completions=single.completions,
+        batch_foreign_cores=foreign["ours"],
+        one_sequence_foreign_cores=foreign["ours_one_sequence"],
+        hf_batch_foreign_cores=foreign["hf_batch"],
     )
     more_rows, peer_notes = peer_rows(outcomes, figures_for_peers)
     rows += more_rows
@@ -464,7 +500,10 @@ def main(argv: list[str] | None = None) -> int:
         }
         peers = {o.peer.name: o.figures() for o in outcomes}
         args.json.write_text(
-            json.dumps({**figures, "peers": peers, "problems": problems}, indent=2)
+            json.dumps(
+                {**figures, "foreign_cores": foreign, "peers": peers, "problems": problems},
+                indent=2,
+            )
         )
     return 1 if problems else 0
 

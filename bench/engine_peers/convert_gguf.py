@@ -6,7 +6,8 @@ text, and those ids depend on the vocabulary and merges: any custom vocabulary, 
 ``NotImplementedError: BPE pre-tokenizer was not recognized``, although that tokenizer's
 pre-tokenizer (``ByteLevel``, ``use_regex=true``) is exactly GPT-2's. This wrapper answers
 ``gpt-2`` in that one case, only for a tokenizer whose ``tokenizer.json`` says so, and runs
-the converter's own ``main`` with the remaining arguments::
+the converter's own ``main`` with the remaining arguments (and lets a checkpoint with no
+``tokenizer.model`` skip SentencePiece without importing it)::
 
     .venv/bin/python bench/engine_peers/convert_gguf.py \\
         --converter .peers/src/llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py \\
@@ -62,6 +63,19 @@ def main(argv: list[str] | None = None) -> int:
             return "gpt-2"
 
     base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+
+    # A Llama checkpoint's vocabulary is tried as SentencePiece first, and a missing
+    # tokenizer.model moves on to the BPE readers; but the converter imports sentencepiece
+    # before it looks for the file, and Sluice's venv has no sentencepiece (nor need: a
+    # tokenizer.json is read by the BPE path). Say "no file" before that import.
+    create_sentencepiece = base.TextModel._create_vocab_sentencepiece
+
+    def _create_vocab_sentencepiece(self: Any) -> Any:
+        if not (self.dir_model / "tokenizer.model").is_file():
+            raise FileNotFoundError(f"File not found: {self.dir_model / 'tokenizer.model'}")
+        return create_sentencepiece(self)
+
+    base.TextModel._create_vocab_sentencepiece = _create_vocab_sentencepiece
     sys.argv = [str(args.converter), *rest]
     runpy.run_path(str(args.converter), run_name="__main__")
     return 0

@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +32,11 @@ __all__ = [
     "PEERS_DIR",
     "Peer",
     "PeerOutcome",
+    "busy_cores",
     "parse_peer_names",
     "peer_by_name",
     "run_peer",
+    "wait_for_quiet",
 ]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,6 +46,8 @@ NOT_INSTALLED = "not installed (run scripts/install_peers.sh)"
 # The bench's models that the peers have copies of (install_peers.sh makes them).
 MODEL_KEYS = ("sluice-tiny", "smollm2-135m")
 MAX_LOG_TAIL_CHARS = 2_000  # of a failed runner's output, kept in its outcome
+# Quiet enough to time an engine: the other jobs on the machine use under this many cores.
+MAX_QUIET_BUSY_CORES = 0.25
 
 
 @dataclass(frozen=True)
@@ -173,6 +178,41 @@ def _run_peer(
         except ResultError as exc:
             return PeerOutcome(peer, None, f"failed: its result is invalid: {exc}")
     return PeerOutcome(peer, result)
+
+
+def busy_cores(window_s: float, stat: Path = Path("/proc/stat")) -> float:
+    """How many cores' worth of CPU the whole machine used over the next ``window_s``."""
+
+    def read() -> tuple[int, int]:
+        fields = [int(f) for f in stat.read_text().splitlines()[0].split()[1:9]]
+        return fields[3] + fields[4], sum(fields)  # idle + iowait, all
+
+    idle_0, total_0 = read()
+    time.sleep(window_s)
+    idle_1, total_1 = read()
+    if total_1 == total_0:
+        return 0.0
+    return (1 - (idle_1 - idle_0) / (total_1 - total_0)) * (os.cpu_count() or 1)
+
+
+def wait_for_quiet(
+    max_wait_s: float,
+    what: str,
+    *,
+    max_busy_cores: float = MAX_QUIET_BUSY_CORES,
+    window_s: float = 1.0,
+    log: Callable[[str], None] = lambda line: None,
+) -> float:
+    """Wait (at most ``max_wait_s``) until the machine is quiet before timing ``what``: other
+    jobs share these 2 cores, and an engine whose threads spin (llama.cpp's, vLLM's OpenMP
+    threads) loses far more than its share to them. Returns the last busy reading."""
+    deadline = time.monotonic() + max_wait_s
+    busy = busy_cores(window_s)
+    while busy > max_busy_cores and time.monotonic() < deadline:
+        busy = busy_cores(window_s)
+    if busy > max_busy_cores:
+        log(f"{what}: the machine is still busy ({busy:.2f} cores) after {max_wait_s:.0f} s")
+    return busy
 
 
 def _run_bounded(

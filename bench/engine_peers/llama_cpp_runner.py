@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import llama_cpp as llama
-from protocol import Job, PeerResult, make_phase, run_runner
+from protocol import ForeignCpu, Job, PeerResult, make_phase, run_runner
 
 N_BATCH = 512  # tokens per llama_decode call while prefilling (Llama()'s default n_batch)
 
@@ -128,18 +128,19 @@ def run(job: Job) -> PeerResult:
         with _context(model, job, len(job.prompts)) as ctx:
             _generate(ctx, sampler, job.prompts[:2], 4)  # warm-up
             llama.llama_memory_clear(llama.llama_get_memory(ctx), True)
+            foreign = ForeignCpu()
             completions, elapsed, ttft = _generate(ctx, sampler, job.prompts, job.output_tokens)
-        batch = make_phase(completions, elapsed, ttft)
+            batch = make_phase(completions, elapsed, ttft, foreign)
         with _context(model, job, 1) as ctx:
             singles: list[list[int]] = []
             single_ttft: list[float | None] = []
-            start = time.perf_counter()
+            foreign, start = ForeignCpu(), time.perf_counter()
             for prompt in job.prompts[: job.num_sequential]:
                 llama.llama_memory_clear(llama.llama_get_memory(ctx), True)
                 (tokens,), _, (first,) = _generate(ctx, sampler, [prompt], job.output_tokens)
                 singles.append(tokens)
                 single_ttft.append(first)
-            one_sequence = make_phase(singles, time.perf_counter() - start, single_ttft)
+            one_sequence = make_phase(singles, time.perf_counter() - start, single_ttft, foreign)
         system = llama.llama_print_system_info().decode(errors="replace").strip()
     finally:
         llama.llama_sampler_free(sampler)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "ForeignCpu",
     "Job",
     "PeerResult",
     "Phase",
@@ -63,6 +66,7 @@ class Phase:
     ttft_p50_s: float | None
     ttft_p99_s: float | None
     completions: list[list[int]]
+    foreign_cores: float | None = None  # ForeignCpu over the phase, where Linux tells
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,57 @@ class PeerResult:
         return json.dumps(asdict(self))
 
 
+class ForeignCpu:
+    """How many cores' worth of CPU the rest of the machine used over a stretch of wall time:
+    all the CPU time ``/proc/stat`` counts, less this process's and its descendants'
+    (``/proc/<pid>/stat``, children found through ``/proc/<pid>/task/*/children``).
+
+    Other jobs share these 2 cores, and an engine whose threads spin (llama.cpp's and vLLM's
+    OpenMP threads) loses far more than its share to them: near 0, a figure was taken alone;
+    0.5 or more, it was not. A descendant that exits before the end takes its CPU time with
+    it (counted as foreign), so read it over a stretch in which the engine's processes live.
+    None where ``/proc`` is not Linux's."""
+
+    STAT = Path("/proc/stat")
+    PROC = Path("/proc")
+
+    def __init__(self, pid: int | None = None) -> None:
+        self._pid = os.getpid() if pid is None else pid
+        self._start = self._read()
+
+    def _ticks(self, pid: int) -> int:
+        fields = (self.PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime, stime
+
+    def _tree_ticks(self) -> int:
+        total, pending = 0, [self._pid]
+        while pending:
+            pid = pending.pop()
+            try:
+                total += self._ticks(pid)
+                for task in (self.PROC / str(pid) / "task").iterdir():
+                    pending += [int(c) for c in (task / "children").read_text().split()]
+            except (OSError, ValueError, IndexError):
+                continue  # exited meanwhile
+        return total
+
+    def _read(self) -> tuple[int, int, float] | None:
+        try:
+            cpu = [int(f) for f in self.STAT.read_text().splitlines()[0].split()[1:9]]
+        except (OSError, ValueError):
+            return None
+        busy = sum(cpu) - cpu[3] - cpu[4]  # all but idle and iowait
+        return busy, self._tree_ticks(), time.monotonic()
+
+    def cores(self) -> float | None:
+        """Since this meter was made."""
+        end = self._read()
+        if end is None or self._start is None or end[2] <= self._start[2]:
+            return None
+        ticks = (end[0] - self._start[0]) - (end[1] - self._start[1])
+        return max(0.0, ticks / os.sysconf("SC_CLK_TCK") / (end[2] - self._start[2]))
+
+
 class ResultError(ValueError):
     """A runner's output that is not a valid result for its job."""
 
@@ -87,7 +142,10 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def make_phase(
-    completions: list[list[int]], elapsed_s: float, ttft_s: Sequence[float | None]
+    completions: list[list[int]],
+    elapsed_s: float,
+    ttft_s: Sequence[float | None],
+    foreign: ForeignCpu | None = None,
 ) -> Phase:
     """A phase's figures; its TTFT is None unless every request's is known."""
     made = sum(len(c) for c in completions)
@@ -99,6 +157,7 @@ def make_phase(
         ttft_p50_s=percentile(known, 50) if whole else None,
         ttft_p99_s=percentile(known, 99) if whole else None,
         completions=completions,
+        foreign_cores=None if foreign is None else foreign.cores(),
     )
 
 
@@ -145,6 +204,7 @@ def _phase(raw: object, where: str, num_prompts: int, output_tokens: int) -> Pha
         ttft_p50_s=_optional_number(raw, "ttft_p50_s", where),
         ttft_p99_s=_optional_number(raw, "ttft_p99_s", where),
         completions=completions,
+        foreign_cores=_optional_number(raw, "foreign_cores", where),
     )
 
 

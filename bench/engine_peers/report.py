@@ -33,6 +33,9 @@ class OursFigures:
     hf_batch_tokens_per_s: float
     batch_completions: list[list[int]]
     one_sequence_completions: list[list[int]]
+    batch_foreign_cores: float | None = None  # other jobs' cores meanwhile (ForeignCpu)
+    one_sequence_foreign_cores: float | None = None
+    hf_batch_foreign_cores: float | None = None
 
 
 def greedy_agreement(
@@ -102,6 +105,10 @@ def peer_rows(outcomes: Sequence[PeerOutcome], ours: OursFigures) -> tuple[list[
     return rows, notes
 
 
+def _cores(cores: float | None) -> str:
+    return "-" if cores is None else f"{cores:.2f}"
+
+
 def _ttft(phase: Phase) -> str:
     return f"{_ms(phase.ttft_p50_s)} / {_ms(phase.ttft_p99_s)}"
 
@@ -116,6 +123,13 @@ def summary_table(outcomes: Sequence[PeerOutcome], ours: OursFigures, num_reques
             return "n/a"
         phase = outcome.result.batch if batch else outcome.result.one_sequence
         return f"{phase.tokens_per_s:,.0f}"
+
+    def foreign(outcome: PeerOutcome) -> str:
+        if outcome.result is None:
+            return "n/a"
+        return f"{_cores(outcome.result.batch.foreign_cores)} / " + _cores(
+            outcome.result.one_sequence.foreign_cores
+        )
 
     lines = [
         "| " + " | ".join(head) + " |",
@@ -137,6 +151,16 @@ def summary_table(outcomes: Sequence[PeerOutcome], ours: OursFigures, num_reques
                 f"{ours.one_sequence_tokens_per_s:,.0f}",
                 *(cell(o, False) for o in outcomes),
                 "-",
+            ]
+        )
+        + " |",
+        "| "
+        + " | ".join(
+            [
+                "other jobs' cores meanwhile (at once / one)",
+                f"{_cores(ours.batch_foreign_cores)} / " + _cores(ours.one_sequence_foreign_cores),
+                *(foreign(o) for o in outcomes),
+                _cores(ours.hf_batch_foreign_cores),
             ]
         )
         + " |",

@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from protocol import Job, PeerResult, make_phase, run_runner
+from protocol import ForeignCpu, Job, PeerResult, make_phase, run_runner
 
 
 def _ttft(output: Any) -> float | None:
@@ -55,23 +55,24 @@ def run(job: Job) -> PeerResult:
         use_tqdm=False,
     )
 
-    start = time.perf_counter()
+    foreign, start = ForeignCpu(), time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     batch = make_phase(
         [list(o.outputs[0].token_ids) for o in outputs],
         elapsed,
         [_ttft(o) for o in outputs],
+        foreign,
     )
 
     singles: list[list[int]] = []
     single_ttft: list[float | None] = []
-    start = time.perf_counter()
+    foreign, start = ForeignCpu(), time.perf_counter()
     for prompt in prompts[: job.num_sequential]:
         (output,) = llm.generate([prompt], params, use_tqdm=False)
         singles.append(list(output.outputs[0].token_ids))
         single_ttft.append(_ttft(output))
-    one_sequence = make_phase(singles, time.perf_counter() - start, single_ttft)
+    one_sequence = make_phase(singles, time.perf_counter() - start, single_ttft, foreign)
 
     notes = ["fp32, prefix caching off, torch.compile (vLLM's default)"]
     if batch.ttft_p50_s is None:

@@ -305,3 +305,58 @@ def test_peer_rows_pass_when_the_targets_are_met() -> None:
         "ours / vLLM CPU, all at once": ">= 1.0x: PASS",
         "ours / llama.cpp, one sequence": ">= 0.5x: PASS",
     }
+
+
+def test_foreign_cpu_is_unknown_without_linux_proc(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(protocol.ForeignCpu, "STAT", tmp_path / "absent")
+    assert protocol.ForeignCpu().cores() is None
+
+
+def test_foreign_cpu_is_the_machine_less_this_process_tree(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Machine busy 3 s of CPU (idle and iowait excluded) over 2 s of wall time, of which
+    the process 10 and its child 11 used 1 s: the other jobs used 1 core."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stat, proc = tmp_path / "stat", tmp_path / "proc"
+
+    def machine(busy_s: float, tree_s: tuple[float, float]) -> None:
+        # user nice system idle iowait irq softirq steal
+        stat.write_text(f"cpu  {int(busy_s * tick)} 0 0 5000 70 0 0 0 0 0\ncpu0 0\n")
+        for pid, seconds, children in ((10, tree_s[0], "11"), (11, tree_s[1], "")):
+            (proc / str(pid) / "task" / str(pid)).mkdir(parents=True, exist_ok=True)
+            ticks = int(seconds * tick)
+            fields = ["S", *["0"] * 10, str(ticks), "0", *["0"] * 30]
+            (proc / str(pid) / "stat").write_text(f"{pid} (python3 (x)) {' '.join(fields)}")
+            (proc / str(pid) / "task" / str(pid) / "children").write_text(children)
+
+    monkeypatch.setattr(protocol.ForeignCpu, "STAT", stat)
+    monkeypatch.setattr(protocol.ForeignCpu, "PROC", proc)
+    clock = iter([100.0, 102.0])
+    monkeypatch.setattr(protocol.time, "monotonic", lambda: next(clock, 102.0))
+    machine(10.0, (1.0, 2.0))
+    meter = protocol.ForeignCpu(pid=10)
+    machine(13.0, (1.5, 2.5))
+    assert meter.cores() == pytest.approx(1.0)
+
+
+def test_busy_cores_reads_the_machine_wide_idle_share(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 100 800 0 0 0 0 0 0\ncpu0 1 2 3\n")
+    assert launcher.busy_cores(0.0, stat) == 0.0  # nothing elapsed: no reading to go on
+
+
+def test_wait_for_quiet_gives_up_after_its_bound_and_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    readings = iter([1.5, 1.2, 1.1, 1.0, 0.9])
+    monkeypatch.setattr(launcher, "busy_cores", lambda window_s: next(readings))
+    lines: list[str] = []
+    assert launcher.wait_for_quiet(0.0, "ours", log=lines.append) == 1.5
+    assert lines == ["ours: the machine is still busy (1.50 cores) after 0 s"]
+    readings = iter([1.5, 0.1])
+    monkeypatch.setattr(launcher, "busy_cores", lambda window_s: next(readings))
+    assert launcher.wait_for_quiet(60.0, "ours", log=lines.append) == 0.1
+    assert len(lines) == 1
