@@ -63,6 +63,19 @@ import websockets
 from peers import HOST, ServerProcess, engine_command, free_port, process_cpu_s, scan_log
 from sluice.grpc_api import streams_pb2 as pb
 
+# The server closes a kept-alive connection after 5 s idle; a client that keeps it as long
+# may send a request as it closes ("Server disconnected without sending a response").
+KEEPALIVE_EXPIRY_S = 2.0
+
+
+def client_limits(num_connections: int) -> httpx.Limits:
+    return httpx.Limits(
+        max_connections=num_connections,
+        max_keepalive_connections=num_connections,
+        keepalive_expiry=KEEPALIVE_EXPIRY_S,
+    )
+
+
 TRANSPORTS = ("sse-h1", "sse-h2", "websocket", "long-poll", "grpc")
 PER_CONNECTION = 100  # streams multiplexed on one HTTP/2 connection or gRPC channel
 CPU_GOAL = 1.5  # the issue's: within 1.5x of SSE over HTTP/1.1 on CPU per token
@@ -237,7 +250,7 @@ async def sse_streams(
     base: str, n: int, k: int, level: Level, warm_ns: int, *, http2: bool
 ) -> None:
     per = PER_CONNECTION if http2 else n
-    limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=n + 10)
+    limits = client_limits(n + 10)
     clients = [
         httpx.AsyncClient(base_url=base, http1=not http2, http2=http2, limits=limits, timeout=120)
         for _ in range((n + per - 1) // per)
@@ -311,7 +324,7 @@ async def poll_until_done(
 
 
 async def long_poll_streams(base: str, n: int, k: int, level: Level, warm_ns: int) -> None:
-    limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=n + 10)
+    limits = client_limits(n + 10)
     async with httpx.AsyncClient(base_url=base, limits=limits, timeout=120) as client:
 
         async def one() -> None:
@@ -429,7 +442,9 @@ async def resume_once(transport: str, ports: Ports) -> float:
         return time.perf_counter() - started
     base = ports.h2 if transport == "sse-h2" else ports.h1
     http2 = transport == "sse-h2"
-    async with httpx.AsyncClient(base_url=base, http1=not http2, http2=http2, timeout=60) as client:
+    async with httpx.AsyncClient(
+        base_url=base, http1=not http2, http2=http2, limits=client_limits(10), timeout=60
+    ) as client:
         created = (await client.post("/v1/streams", json=body)).json()
         last = ""
         count = 0
@@ -447,7 +462,9 @@ async def resume_once(transport: str, ports: Ports) -> float:
                     break
     # A new client, made before the clock starts (httpx builds its TLS context up front):
     # the reconnect is a new connection, as after a real cut.
-    async with httpx.AsyncClient(base_url=base, http1=not http2, http2=http2, timeout=60) as client:
+    async with httpx.AsyncClient(
+        base_url=base, http1=not http2, http2=http2, limits=client_limits(10), timeout=60
+    ) as client:
         started = time.perf_counter()
         if transport == "long-poll":
             answer = await client.get(f"/v1/streams/{created['id']}/poll", params={"after": last})
@@ -520,7 +537,7 @@ async def hold_idle(transport: str, ports: Ports, n: int, pid: int) -> float:
             call.cancel()
             return
 
-    limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=n + 10)
+    limits = client_limits(n + 10)
     http2 = transport == "sse-h2"
     base = ports.h2 if http2 else ports.h1
     connections = (n + PER_CONNECTION - 1) // PER_CONNECTION  # h2 and gRPC: 100 a connection
