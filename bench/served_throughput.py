@@ -6,6 +6,8 @@ greedy, streamed ``POST /v1/completions``, a closed loop of C concurrent request
 requests a level, at least 8), with an aiohttp client as vLLM's bench uses. Set-ups, all
 serving ``models/sluice-tiny`` on 127.0.0.1 and each started once:
 
+- **engine alone** (the ceiling): the same prompts straight into ``AsyncEngine`` in a
+  child process of the bench, no HTTP, with the torch threads ``sluice serve`` gives it;
 - **one process**: ``sluice serve --model models/sluice-tiny --no-engine-process``: HTTP,
   SSE and the engine's thread share one interpreter and its GIL;
 - **two processes**: ``sluice worker --model models/sluice-tiny`` and ``sluice serve
@@ -14,9 +16,10 @@ serving ``models/sluice-tiny`` on 127.0.0.1 and each started once:
   same split, made by ``sluice serve`` itself (``sluice.engine_process``).
 
 The set-ups take turns, run after run, so that a change in the machine's load falls on all
-of them. Reported per set-up and level: median output tokens/s of the runs (and their
-range), TTFT p50, and the server side's CPU per output token (every process of the set-up,
-from /proc), and each split set-up's ratio to one process. Exit status 1 when a request
+of them. Reported per set-up and level: median output tokens/s of the runs (and each run's),
+TTFT p50, the server side's CPU per output token (every process of the set-up, from
+/proc), and the ratios to one process and to the engine alone: the median over runs of
+the ratio within a run (paired, so a busy minute of a shared machine falls on both sides). Exit status 1 when a request
 failed or fell short, when a greedy text differs between set-ups, or when a server logged
 trouble; figures are printed, never judged.
 
@@ -31,6 +34,7 @@ import asyncio
 import contextlib
 import importlib
 import inspect
+import math
 import random
 import statistics
 import subprocess
@@ -305,6 +309,17 @@ def measure(setup: Setup, level: Level, prompts: list[str], concurrency: int, ma
             )
 
 
+def _ms(value: float) -> str:
+    return "—" if math.isnan(value) else f"{value:.0f}"
+
+
+def paired_ratio(level: Level, base: Level) -> float:
+    """The median over runs of this set-up's tokens/s over the base's in the same run (the
+    set-ups take turns, so a run's pair saw about the same machine)."""
+    pairs = zip(level.tokens_per_s, base.tokens_per_s, strict=False)
+    return statistics.median(x / y for x, y in pairs) if base.tokens_per_s else float("nan")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="levels 1 and 8, 32 tokens, 1 run")
@@ -313,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--setups",
         default=",".join(SETUPS),
-        help=f"comma-separated, of: {', '.join(SETUPS)} (the first is the ratios' base)",
+        help=f"comma-separated, of: {', '.join(SETUPS)} (greedy texts are checked against the first)",
     )
     parser.add_argument("--engine-alone", nargs=2, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -357,22 +372,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for c in levels:
-        base_rate = statistics.median(results[base, c].tokens_per_s)
         for name in names:
             level = results[name, c]
             rate = statistics.median(level.tokens_per_s)
             spread = " / ".join(f"{x:,.0f}" for x in level.tokens_per_s)
             of_ceiling = "—"
             if ceiling is not None:
-                of_ceiling = f"{rate / statistics.median(results[ceiling, c].tokens_per_s):.2f}x"
+                of_ceiling = f"{paired_ratio(level, results[ceiling, c]):.2f}x"
             equal = level.texts == results[names[0], c].texts
             if not equal:
                 problems.append(f"{name}, {c} streams: greedy texts differ from {names[0]}'s")
             print(
                 f"| {c} | {name} | {rate:,.0f} | {spread} | "
-                f"{statistics.median(level.ttft_p50_ms):.0f} | "
+                f"{_ms(statistics.median(level.ttft_p50_ms))} | "
                 f"{statistics.median(level.cpu_ms_per_token):.2f} | "
-                f"{rate / base_rate:.2f}x | {of_ceiling} | {'yes' if equal else 'NO'} |"
+                f"{paired_ratio(level, results[base, c]):.2f}x | {of_ceiling} | "
+                f"{'yes' if equal else 'NO'} |"
             )
     for problem in problems[:40]:
         print(f"PROBLEM: {problem}")

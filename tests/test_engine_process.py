@@ -16,11 +16,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sluice.backends.engine import engine_stats
+from sluice.backends import engine as engine_backend
 from sluice.engine.driver import EngineClosedError
 from sluice.engine.loader import load_checkpoint
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine_process import EngineSpec, ProcessEngine, start_child
+from sluice.errors import CapacityError
+from tests.gateway.test_worker_backend import engine_stats, next_data, wait_for_stats
 from tests.server import TEST_MODEL, ServerProcess
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
@@ -99,7 +101,7 @@ async def test_abort_mid_stream_ends_it_with_the_blocks_free(driver: ProcessEngi
     assert await driver.abort(stream.request_id)
     rest = [output async for output in stream]
     assert all(not output.finished for output in rest)
-    stats = await driver.call(engine_stats)
+    stats = await driver.call(engine_backend.engine_stats)
     assert stats["kv_blocks_used"] == 0
     assert stats["running"] == stats["waiting"] == 0
 
@@ -121,6 +123,10 @@ async def test_a_killed_child_fails_its_streams_and_another_takes_over(
     with pytest.raises(EngineClosedError, match="engine process"):
         async for _ in stream:
             pass
+    # The new child is still loading (torch alone takes a second to import): a 503.
+    with pytest.raises(CapacityError, match="starting again") as refused:
+        await driver.add_request([1, 2, 3], SamplingParams(4))
+    assert refused.value.retry_after_s > 0
     async with asyncio.timeout(START_TIMEOUT_S):
         await driver.wait_running()
     assert driver.pid != first_pid
@@ -137,6 +143,7 @@ def test_a_model_that_does_not_load_is_refused_with_the_reason(tmp_path: Path) -
 SERVER_SCRIPT = """
 import sys, threading
 from pathlib import Path
+from sluice.errors import CapacityError
 from sluice.engine_process import EngineSpec, start_child
 spec = EngineSpec(Path(sys.argv[1]), None, "cpu", "auto", 64, 8, 1)
 child = start_child(spec, 90.0)
@@ -173,7 +180,30 @@ def test_sluice_serve_engine_process_streams_the_in_process_text() -> None:
             response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
             assert response.status_code == 200, response.text
             texts.append(response.json()["choices"][0]["text"])
-            ready = httpx.get(f"{server.base_url}/readyz").json()
-            assert ready["engines"]["sluice-tiny"]["kv_blocks_used"] == 0
     assert texts[0] == texts[1]
     assert texts[0]
+
+
+def test_a_client_that_goes_away_frees_the_childs_kv_blocks() -> None:
+    body = {"prompt": PROMPTS[1], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with ServerProcess("--model", str(TEST_MODEL), "--engine-process") as server:
+        server.wait_ready()
+        with httpx.stream(
+            "POST", f"{server.base_url}/v1/completions", json=body, timeout=30
+        ) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()  # referenced: collecting it closes the response
+            assert next_data(lines)
+            busy = engine_stats(server, "sluice-tiny")
+            assert busy["running"] + busy["waiting"] == 1, busy
+            assert busy["kv_blocks_used"] > 0, busy
+        # The connection closed mid-stream: the child's engine frees the blocks.
+        wait_for_stats(server, "sluice-tiny", running=0, waiting=0, kv_blocks_used=0)
+        metrics = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+        freed = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith('sluice_cancel_to_kv_free_seconds_count{model="sluice-tiny"')
+        ]
+        assert freed
+        assert float(freed[0].rpartition(" ")[2]) >= 1

@@ -20,9 +20,10 @@ Lifecycle: :func:`start_child` spawns ``python -m sluice.engine_process FD`` and
 ignores SIGINT and SIGTERM (the server drains first) and exits when its socket reaches
 end of file: when the server closes it, or when the server dies, however. When the child
 dies under the server, every live stream ends with :class:`EngineClosedError` (the backend
-makes it a retryable error), new requests are refused until a new child has loaded the
-model, and one is started at once (after :data:`RESTART_BACKOFF_S` if the last start
-failed).
+makes it a retryable error), new requests are refused with
+:class:`~sluice.errors.CapacityError` (``503`` + ``Retry-After``) until a new child has
+loaded the model, and one is started at once (again after :data:`RESTART_BACKOFF_S`
+while starts fail).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from sluice.engine.engine import Engine, EngineConfig
 from sluice.engine.outputs import StepStats
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.speculative import SpeculativeConfig
+from sluice.errors import CapacityError
 
 __all__ = [
     "MAX_MESSAGE_BYTES",
@@ -79,6 +81,9 @@ MAX_MESSAGE_BYTES: Final = 256 << 20
 STOP_TIMEOUT_S: Final = 10.0
 # Wait before starting a child again after a start failed (a model that no longer loads).
 RESTART_BACKOFF_S: Final = 5.0
+# Retry-After of a request refused while a child is being started (sluice-tiny loads in
+# about a second, a 135 M model in a few).
+RESTART_RETRY_AFTER_S: Final = 5.0
 _HEADER: Final = struct.Struct(">I")
 
 
@@ -296,8 +301,10 @@ class ProcessEngine:
 
     def _send(self, message: tuple[object, ...]) -> None:
         protocol = self._protocol
-        if not self._running.is_set() or protocol is None or protocol.transport is None:
+        if self._closing or protocol is None or protocol.transport is None:
             raise EngineClosedError("the engine process is not running")
+        if not self._running.is_set():
+            raise _restarting()
         protocol.transport.write(_frame(message))
 
     def _ask(self, kind: str, *args: object, sink: _Sink | None = None) -> asyncio.Future[Any]:
@@ -319,12 +326,12 @@ class ProcessEngine:
         """Abort a request between steps; False if it was unknown, done, or the child gone."""
         try:
             aborted: bool = await self._ask("abort", request_id)
-        except EngineClosedError:
+        except (EngineClosedError, CapacityError):
             return False
         return aborted
 
     def abort_nowait(self, request_id: int) -> None:
-        with contextlib.suppress(EngineClosedError):
+        with contextlib.suppress(EngineClosedError, CapacityError):
             self._send(("abort", None, request_id))
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
@@ -380,14 +387,20 @@ class ProcessEngine:
         else:
             future.set_result(value)
 
-    def _fail_all(self, make_error: Callable[[], BaseException]) -> None:
+    def _fail_all(
+        self,
+        make_error: Callable[[], BaseException],
+        make_reply_error: Callable[[], BaseException] | None = None,
+    ) -> None:
+        """End every live stream with ``make_error()``, and fail every command waiting for
+        its answer with ``make_reply_error()`` (default: the same)."""
         for sink in self._sinks.values():
             sink.queue.put_nowait(make_error())
         self._sinks.clear()
         replies, self._replies = self._replies, {}
         for future, _ in replies.values():
             if not future.done():
-                future.set_exception(make_error())
+                future.set_exception((make_reply_error or make_error)())
 
     def _lost(self, protocol: _Protocol) -> None:
         if protocol is not self._protocol or self._closing:
@@ -396,7 +409,7 @@ class ProcessEngine:
         code = protocol.child.process.poll()
         how = "is gone" if code is None else f"exited with {code}"
         logger.error("the engine process %s; starting another", how)
-        self._fail_all(lambda: EngineClosedError(f"the engine process {how}"))
+        self._fail_all(lambda: EngineClosedError(f"the engine process {how}"), _restarting)
         self._restart = asyncio.get_running_loop().create_task(self._start_again(protocol.child))
 
     async def _start_again(self, dead: EngineChild) -> None:
@@ -412,6 +425,13 @@ class ProcessEngine:
         self.num_restarts += 1
         await self._attach(child)
         logger.info("the engine process is back (pid %d)", child.process.pid)
+
+
+def _restarting() -> CapacityError:
+    """A request while the child is being started again: a ``503`` with Retry-After."""
+    return CapacityError(
+        "the engine process is starting again", retry_after_s=RESTART_RETRY_AFTER_S
+    )
 
 
 # -- the child --------------------------------------------------------------------------

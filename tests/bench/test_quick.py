@@ -132,3 +132,14 @@ def test_speculative_quick_run_keeps_greedy_output_identical_in_every_row() -> N
     # Exit 0 already means no greedy row differs (between modes, or from transformers).
     assert "- greedy output identical in every row: PASS" in output
     assert table_row(output, "| sluice-tiny | 0 | 1 | draft |")[5].endswith("x")
+
+
+def test_served_throughput_quick_run_streams_the_same_greedy_text_in_every_set_up() -> None:
+    output = run_quick("served_throughput")
+    # Exit 0 already means every request got all its tokens and no greedy text differs.
+    for level in ("1", "8"):
+        for setup in ("engine alone", "one process", "two processes", "--engine-process"):
+            row = table_row(output, f"| {level} | {setup} |")
+            assert float(row[2].replace(",", "")) > 0, row
+            assert row[6].endswith("x"), row
+            assert row[8] == "yes", row
