@@ -1,29 +1,9 @@
-"""The embedded engine in a child process: ``sluice serve --engine-process``.
+"""The server's side of the engine process: start it, and drive it like ``AsyncEngine``.
 
-In one process, the engine thread and the event loop take turns on one GIL: each of a
-step's hundreds of torch calls gives it up and must win it back from a loop that renders
-SSE. :class:`ProcessEngine` runs the engine in a child process of its own and drives it
-from the server's loop with the API of :class:`~sluice.engine.driver.AsyncEngine`
-(``add_request``, ``abort``, ``call``, streams of :class:`RequestOutput`), so
-:class:`~sluice.backends.engine.EngineBackend` serves it unchanged: the prompt is made,
-admitted and predicted in the server, the tokens are sampled and detokenized in the child.
-
-Wire: one Unix socket pair; a message is a 4-byte big-endian length and a pickle (both
-ends are this program, started by it). Commands go one way (``add``, ``abort``, ``call``,
-``stop``); the child answers each that asks, and sends ONE message per step with every
-request's output (and the step's :class:`StepStats`), not one per token, as vLLM's engine
-core does. An abort is handled between steps, as in-process: the blocks are free when the
-current step ends.
-
-Lifecycle: :func:`start_child` spawns ``python -m sluice.engine_process FD`` and waits
-(bounded) for it to load the model and say what it serves (:class:`EngineInfo`). The child
-ignores SIGINT and SIGTERM (the server drains first) and exits when its socket reaches
-end of file: when the server closes it, or when the server dies, however. When the child
-dies under the server, every live stream ends with :class:`EngineClosedError` (the backend
-makes it a retryable error), new requests are refused with
-:class:`~sluice.errors.CapacityError` (``503`` + ``Retry-After``) until a new child has
-loaded the model, and one is started at once (again after :data:`RESTART_BACKOFF_S`
-while starts fail).
+:func:`start_child` spawns ``python -m sluice.engine_process.child FD`` on one end of a
+Unix socket pair and waits (bounded) for what it serves. :class:`ProcessEngine` reads the
+child's messages on the event loop (an :class:`asyncio.Protocol`), hands each step's
+outputs to their streams in one pass, and starts another child when one dies.
 """
 
 from __future__ import annotations
@@ -31,18 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import pickle
-import queue
-import signal
 import socket
-import struct
 import subprocess
 import sys
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, TypeVar, cast
 
@@ -58,14 +31,13 @@ from sluice.engine.driver import (
 from sluice.engine.engine import Engine, EngineConfig
 from sluice.engine.outputs import StepStats
 from sluice.engine.sampling_params import SamplingParams
-from sluice.engine.speculative import SpeculativeConfig
+from sluice.engine_process.wire import HEADER, EngineInfo, EngineSpec, frame, recv_message
 from sluice.errors import CapacityError
 
 __all__ = [
-    "MAX_MESSAGE_BYTES",
+    "RESTART_BACKOFF_S",
+    "RESTART_RETRY_AFTER_S",
     "EngineChild",
-    "EngineInfo",
-    "EngineSpec",
     "ProcessEngine",
     "start_child",
 ]
@@ -74,9 +46,6 @@ logger = logging.getLogger("sluice.engine_process")
 
 T = TypeVar("T")
 
-# A message is a step's outputs (tens of KB at 64 sequences) or the tokenizer bundle
-# (tokenizers of real models are tens of MB).
-MAX_MESSAGE_BYTES: Final = 256 << 20
 # How long stop() waits for the child to exit once told to, before it is killed.
 STOP_TIMEOUT_S: Final = 10.0
 # Wait before starting a child again after a start failed (a model that no longer loads).
@@ -84,34 +53,8 @@ RESTART_BACKOFF_S: Final = 5.0
 # Retry-After of a request refused while a child is being started (sluice-tiny loads in
 # about a second, a 135 M model in a few).
 RESTART_RETRY_AFTER_S: Final = 5.0
-_HEADER: Final = struct.Struct(">I")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSpec:
-    """What the child loads and how it runs it (the options of ``sluice serve``)."""
-
-    model: Path
-    name: str | None
-    device: str
-    dtype: str
-    num_blocks: int
-    max_num_seqs: int
-    engine_threads: int
-    speculation: SpeculativeConfig | None = None
-    draft_model: Path | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class EngineInfo:
-    """What a started child serves: the name, where, the engine's limits, the tokenizer
-    bundle (:mod:`sluice.vllm_grpc.tokenizer_bundle`) and the weight files."""
-
-    name: str
-    placement: str
-    config: EngineConfig
-    bundle: bytes
-    weight_files: tuple[Path, ...]
+# How long a child started again may take to load the model.
+RESTART_TIMEOUT_S: Final = 600.0
 
 
 class EngineChild:
@@ -136,40 +79,13 @@ def _stop(process: subprocess.Popen[bytes], sock: socket.socket) -> None:
         process.wait()
 
 
-def _frame(message: object) -> bytes:
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    return _HEADER.pack(len(data)) + data
-
-
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
-    parts, needed = [], size
-    while needed:
-        part = sock.recv(min(needed, 1 << 20))
-        if not part:
-            raise EOFError("the other end closed the socket")
-        parts.append(part)
-        needed -= len(part)
-    return b"".join(parts)
-
-
-def _recv_message(sock: socket.socket) -> Any:
-    (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    if size > MAX_MESSAGE_BYTES:
-        raise ValueError(f"a message of {size} bytes is over {MAX_MESSAGE_BYTES}")
-    data = _recv_exact(sock, size)
-    try:
-        return pickle.loads(data)
-    except Exception as exc:  # a message this program did not write
-        raise ValueError(f"an unreadable message: {exc}") from exc
-
-
 def start_child(spec: EngineSpec, timeout_s: float) -> EngineChild:
     """Spawn the child, send it ``spec`` and wait up to ``timeout_s`` for it to serve;
     :class:`RuntimeError` with the child's reason when it cannot (the model does not
     load, it died, it took too long)."""
     parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        command = [sys.executable, "-m", "sluice.engine_process", str(child_sock.fileno())]
+        command = [sys.executable, "-m", "sluice.engine_process.child", str(child_sock.fileno())]
         process = subprocess.Popen(command, pass_fds=(child_sock.fileno(),))
     except OSError:
         parent_sock.close()
@@ -178,8 +94,8 @@ def start_child(spec: EngineSpec, timeout_s: float) -> EngineChild:
         child_sock.close()
     try:
         parent_sock.settimeout(timeout_s)
-        parent_sock.sendall(_frame(spec))
-        reply = _recv_message(parent_sock)
+        parent_sock.sendall(frame(spec))
+        reply = recv_message(parent_sock)
         parent_sock.settimeout(None)
     except (OSError, EOFError, ValueError) as exc:
         parent_sock.close()
@@ -212,12 +128,12 @@ class _Protocol(asyncio.Protocol):
         buffer = self.buffer
         buffer += data
         start = 0
-        while len(buffer) - start >= _HEADER.size:
-            (size,) = _HEADER.unpack_from(buffer, start)
-            end = start + _HEADER.size + size
+        while len(buffer) - start >= HEADER.size:
+            (size,) = HEADER.unpack_from(buffer, start)
+            end = start + HEADER.size + size
             if len(buffer) < end:
                 break
-            self.owner._receive(pickle.loads(memoryview(buffer)[start + _HEADER.size : end]))
+            self.owner._receive(pickle.loads(memoryview(buffer)[start + HEADER.size : end]))
             start = end
         del buffer[:start]
 
@@ -305,7 +221,7 @@ class ProcessEngine:
             raise EngineClosedError("the engine process is not running")
         if not self._running.is_set():
             raise _restarting()
-        protocol.transport.write(_frame(message))
+        protocol.transport.write(frame(message))
 
     def _ask(self, kind: str, *args: object, sink: _Sink | None = None) -> asyncio.Future[Any]:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -416,7 +332,7 @@ class ProcessEngine:
         await asyncio.to_thread(dead.kill)
         while True:
             try:
-                child = await asyncio.to_thread(start_child, self._spec, 600.0)
+                child = await asyncio.to_thread(start_child, self._spec, RESTART_TIMEOUT_S)
             except (OSError, RuntimeError):
                 logger.exception("starting the engine process again failed")
                 await asyncio.sleep(RESTART_BACKOFF_S)
@@ -432,129 +348,3 @@ def _restarting() -> CapacityError:
     return CapacityError(
         "the engine process is starting again", retry_after_s=RESTART_RETRY_AFTER_S
     )
-
-
-# -- the child --------------------------------------------------------------------------
-
-
-def _load(spec: EngineSpec) -> tuple[Engine, EngineInfo]:
-    import torch
-
-    from sluice.engine.loader import load_checkpoint
-    from sluice.engine.placement import machine_placement
-    from sluice.vllm_grpc.tokenizer_bundle import ModelFiles, write_bundle
-
-    torch.set_num_threads(spec.engine_threads)
-    placement = machine_placement(spec.device, spec.dtype)
-    checkpoint = load_checkpoint(spec.model, name=spec.name, placement=placement)
-    draft = None
-    if spec.draft_model is not None:
-        draft = load_checkpoint(spec.draft_model, placement=placement).model
-    engine = checkpoint.engine(
-        num_blocks=spec.num_blocks,
-        max_num_seqs=spec.max_num_seqs,
-        speculation=spec.speculation,
-        draft_model=draft,
-    )
-    files = ModelFiles(
-        checkpoint.tokenizer, checkpoint.chat_template, checkpoint.bos_token, checkpoint.eos_token
-    )
-    info = EngineInfo(
-        checkpoint.name,
-        placement.describe(),
-        engine.config,
-        write_bundle(files, engine.config.max_model_len),
-        checkpoint.weight_files,
-    )
-    return engine, info
-
-
-def _read_commands(sock: socket.socket, commands: queue.SimpleQueue[tuple[Any, ...]]) -> None:
-    """The child's reader thread: every command into the queue; ``stop`` at end of file."""
-    try:
-        while True:
-            commands.put(_recv_message(sock))
-    except (OSError, EOFError, ValueError):
-        commands.put(("stop",))
-
-
-def _serve(engine: Engine, sock: socket.socket) -> None:
-    """The child's main thread: commands between steps, one message per step."""
-    commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-    live: set[int] = set()  # the requests added and not yet finished or aborted
-    threading.Thread(target=_read_commands, args=(sock, commands), daemon=True).start()
-
-    def send(message: tuple[object, ...]) -> None:
-        sock.sendall(_frame(message))
-
-    while True:
-        command = None if engine.has_unfinished_requests() else commands.get()
-        while True:
-            if command is not None:
-                kind = command[0]
-                if kind == "stop":
-                    return
-                if kind == "add":
-                    _, reply_id, prompt, params = command
-                    try:
-                        request_id = engine.add_request(prompt, params)
-                    except Exception as exc:  # admission: QueueFullError, ValueError
-                        send(("reply", reply_id, False, exc))
-                    else:
-                        live.add(request_id)
-                        send(("reply", reply_id, True, request_id))
-                elif kind == "abort":
-                    _, reply_id, request_id = command
-                    live.discard(request_id)
-                    send(("aborted", reply_id, request_id, engine.abort(request_id)))
-                elif kind == "call":
-                    _, reply_id, fn = command
-                    try:
-                        send(("reply", reply_id, True, fn(engine)))
-                    except Exception as exc:
-                        send(("reply", reply_id, False, exc))
-            try:
-                command = commands.get_nowait()
-            except queue.Empty:
-                break
-        if not engine.has_unfinished_requests():
-            continue
-        try:
-            outputs = engine.step()
-        except Exception:
-            logger.exception("engine step failed; failing every live request")
-            for request_id in live:  # the engine aborted the batch's; these too
-                engine.abort(request_id)
-            live.clear()
-            send(("step_failed",))
-            continue
-        items = [(o.request_id, o if o.error is None else o.error) for o in outputs]
-        live.difference_update(o.request_id for o in outputs if o.finished)
-        send(("step", items, engine.last_step))
-
-
-def _child_main(fd: int) -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server drains first, then closes
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    sock = socket.socket(fileno=fd)
-    try:
-        spec = _recv_message(sock)
-        engine, info = _load(spec)
-    except Exception as exc:
-        with contextlib.suppress(OSError):
-            sock.sendall(_frame(("failed", f"{type(exc).__name__}: {exc}")))
-        return 2
-    sock.sendall(_frame(("ready", info)))
-    with contextlib.suppress(OSError):
-        _serve(engine, sock)
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover - run as the child
-    # Through the module's own name, so that what it pickles names sluice.engine_process.
-    from sluice.engine_process import _child_main as child_main
-
-    code = child_main(int(sys.argv[1]))
-    sys.stdout.flush()
-    os._exit(code)  # no interpreter teardown (seconds with torch loaded)
