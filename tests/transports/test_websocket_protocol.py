@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from websockets.frames import Frame, Opcode
+from websockets.protocol import State
+from websockets.server import ServerProtocol
 
 from sluice.errors import BadRequestError, InvalidParameterError
 from sluice.events import Error, Finished, FinishReason, NeutralEvent, Started, TextDelta, Usage
@@ -25,6 +28,7 @@ from sluice.transports.websocket_protocol import (
     created_message,
     error_message,
     parse_client_message,
+    server_text_frame,
     split_messages,
 )
 
@@ -186,3 +190,23 @@ def test_a_poll_answer_is_json_with_the_events_their_ids_and_the_next_cursor() -
 def test_an_empty_poll_answer_keeps_the_cursor() -> None:
     answer = orjson.loads(encode_poll(SID, Batch(8, ()), after_seq=7, done=False))
     assert answer == {"events": [], "next": f"{SID}:7", "done": False}
+
+
+@pytest.mark.parametrize("size", [0, 1, 125, 126, 65_535, 65_536, 70_000])
+def test_server_text_frames_are_websockets_own_bytes(size: int) -> None:
+    """The sender frames messages itself (RFC 6455 section 5.2): byte for byte what
+    ``websockets`` makes of an unmasked, unfragmented text frame with no extension, at
+    each payload-length encoding's edges."""
+    payload = ("é" * size).encode()[:size]
+    frame = Frame(Opcode.TEXT, payload)
+    assert server_text_frame(payload) == frame.serialize(mask=False, extensions=[])
+
+
+def test_what_the_sender_reads_of_a_websockets_connection_is_there() -> None:
+    """The adapter's sender frames by hand only on an open connection with no extension
+    and no fragmented message under way: the three attributes it reads."""
+    protocol = ServerProtocol()
+    assert protocol.state is State.CONNECTING
+    assert protocol.extensions == []
+    assert protocol.expect_continuation_frame is False
+    assert protocol.data_to_send() == []

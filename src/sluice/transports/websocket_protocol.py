@@ -83,8 +83,14 @@ __all__ = [
     "created_message",
     "error_message",
     "parse_client_message",
+    "server_text_frame",
 ]
 
+# RFC 6455 section 5.2: FIN and the text opcode; the payload lengths that take 7, 16 or 64
+# bits (a server's frames are never masked: section 5.1).
+_FIN_TEXT = 0x81
+_LENGTH_16 = 126
+_LENGTH_64 = 127
 CLOSE_NOT_RESUMABLE = 1008  # policy violation: a stuck socket pinned a non-resumable stream
 CLOSE_TRY_AGAIN = 1013  # try again later: a stuck socket, its streams can be resumed
 _END = b"\n"  # ends every message this module encodes (JSON text never holds a raw LF)
@@ -235,3 +241,14 @@ class WebSocketFrames:
 
     def refusal(self, code: str, message: str, after_seq: int) -> bytes:
         return error_message(code, message, self._stream_id)
+
+
+def server_text_frame(payload: bytes) -> bytes:
+    """One unfragmented, unmasked text frame of ``payload`` (UTF-8 already), as a server
+    sends it with no extension negotiated (RFC 6455 section 5.2)."""
+    size = len(payload)
+    if size < _LENGTH_16:
+        return bytes((_FIN_TEXT, size)) + payload
+    if size < 1 << 16:
+        return bytes((_FIN_TEXT, _LENGTH_16)) + size.to_bytes(2, "big") + payload
+    return bytes((_FIN_TEXT, _LENGTH_64)) + size.to_bytes(8, "big") + payload

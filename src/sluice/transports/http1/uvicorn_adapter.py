@@ -57,6 +57,7 @@ from uvicorn.protocols.utils import ClientDisconnected, get_client_addr
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.exceptions import InvalidState
 from websockets.http11 import Request
+from websockets.protocol import State
 
 from sluice.transports.answer import Whole
 from sluice.transports.asgi import Scope
@@ -65,6 +66,7 @@ from sluice.transports.http1.opener import Opener, Refusal
 from sluice.transports.http1.protocol import BusyConnections, HeadMeter, NativeExchange
 from sluice.transports.http1.writer import response_head
 from sluice.transports.websocket import SEND_TEXTS
+from sluice.transports.websocket_protocol import server_text_frame
 
 __all__ = [
     "RELIED_ON",
@@ -167,12 +169,21 @@ class SluiceWebSocketProtocol(WebSocketsSansIOProtocol):
         if not self.handshake_complete:
             raise RuntimeError("messages before websocket.accept")
         conn = self.conn
-        try:
-            for message in messages:
-                conn.send_text(message)
-        except InvalidState:
-            raise ClientDisconnected() from None
-        self.transport.write(b"".join(conn.data_to_send()))
+        if conn.state is not State.OPEN:
+            raise ClientDisconnected()
+        if conn.extensions or conn.expect_continuation_frame:
+            try:  # never with this server's options (no deflate, no fragments sent)
+                for message in messages:
+                    conn.send_text(message)
+            except InvalidState:
+                raise ClientDisconnected() from None
+            self.transport.write(b"".join(conn.data_to_send()))
+            return
+        # Framed here: websockets' send_text builds a Frame object per message and keeps no
+        # state for an unfragmented one; what it queued before (a pong) goes first.
+        data = conn.data_to_send()
+        data.extend(server_text_frame(message) for message in messages)
+        self.transport.write(b"".join(data))
 
 
 class _Pipeline(list[Any]):
