@@ -152,8 +152,9 @@ RELIED_ON: dict[str, tuple[str, ...]] = {
 
 class SluiceWebSocketProtocol(WebSocketsSansIOProtocol):
     """uvicorn's sans-IO WebSocket protocol with the ASGI extension
-    :data:`~sluice.transports.websocket.SEND_TEXTS`: several text messages framed by the
-    same ``websockets`` connection and written at once. uvicorn's ``websocket.send`` costs
+    :data:`~sluice.transports.websocket.SEND_TEXTS`: several text messages framed (by hand,
+    :func:`~sluice.transports.websocket_protocol.server_text_frame`, on an open connection
+    with no extension) and written at once. uvicorn's ``websocket.send`` costs
     an ASGI message, a decode, an encode and a write per message; on a socket carrying a
     token per message, that was most of the server's CPU."""
 
