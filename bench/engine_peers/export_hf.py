@@ -1,8 +1,8 @@
 """A GGUF model as a Hugging Face checkpoint directory in fp32, for the engine peers.
 
 The default model (SmolLM2-135M-Instruct) ships as a Q4_1 GGUF file. Sluice and
-``transformers`` dequantize it at load and run fp32; so that vLLM (which has no CPU kernels
-for GGUF's quantized types) and llama.cpp run the same fp32 weights, ``transformers`` reads
+``transformers`` dequantize it at load and run fp32; so that vLLM and llama.cpp run the same
+fp32 weights (not their own Q4_1 arithmetic), ``transformers`` reads
 the file (its GGUF support dequantizes and undoes llama.cpp's Q/K row permutation) and saves
 the model and its tokenizer here; ``convert_gguf.py`` then makes the f32 GGUF from that::
 
