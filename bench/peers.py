@@ -314,3 +314,30 @@ class ServerProcess:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+class WorkerChild:
+    """``sluice worker`` of ``model`` on a free port, its output in a log file (a gateway in
+    front of it waits, bounded, for it to answer)."""
+
+    def __init__(self, model: Path, log_path: Path) -> None:
+        self.model = model
+        self.port = free_port()
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> WorkerChild:
+        command = [sys.executable, "-m", "sluice.cli", "worker", "--model", str(self.model)]
+        command += ["--listen", f"{HOST}:{self.port}", "--log-level", "warning"]
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=5)

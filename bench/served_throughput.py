@@ -48,7 +48,7 @@ import aiohttp
 import orjson
 from tokenizers import Tokenizer
 
-from peers import HOST, ServerProcess, free_port, process_cpu_s, scan_log
+from peers import HOST, ServerProcess, WorkerChild, free_port, process_cpu_s, scan_log
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "models" / "sluice-tiny"
@@ -177,39 +177,13 @@ class Setup:
     logs: list[Path]
 
 
-class WorkerChild:
-    """``sluice worker`` on a free port, its output in a log file (the gateway in front of
-    it waits, bounded, for it to answer)."""
-
-    def __init__(self, log_path: Path) -> None:
-        self.port = free_port()
-        self.log_path = log_path
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> WorkerChild:
-        command = [sys.executable, "-m", "sluice.cli", "worker", "--model", str(MODEL)]
-        command += ["--listen", f"{HOST}:{self.port}", "--log-level", "warning"]
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=5)
-
-
 def start_setup(name: str, logs: Path, stack: contextlib.ExitStack) -> Setup:
     port = free_port()
     log = logs / f"{name.strip('-').replace(' ', '-')}.log"
     pids: list[int] = []
     paths = [log]
     if name == "two processes":
-        worker = stack.enter_context(WorkerChild(logs / "worker.log"))
+        worker = stack.enter_context(WorkerChild(MODEL, logs / "worker.log"))
         assert worker.process is not None
         pids.append(worker.process.pid)
         paths.append(worker.log_path)

@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import contextlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +36,7 @@ from pathlib import Path
 import httpx
 import orjson
 
-from peers import HOST, ServerProcess, free_port, process_cpu_s, scan_log
+from peers import HOST, ServerProcess, WorkerChild, free_port, process_cpu_s, scan_log
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "models" / "sluice-tiny"
@@ -130,31 +129,6 @@ def figures(samples: list[Sample], wall_s: float, cpu_s: float) -> Figures:
     )
 
 
-class WorkerChild:
-    """``sluice worker`` on a free port, its output in a log file."""
-
-    def __init__(self, log_path: Path) -> None:
-        self.port = free_port()
-        self.log_path = log_path
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> WorkerChild:
-        command = [sys.executable, "-m", "sluice.cli", "worker", "--model", str(MODEL)]
-        command += ["--listen", f"{HOST}:{self.port}", "--log-level", "warning"]
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=5)
-
-
 def serve_command(port: int, *options: str) -> list[str]:
     return [
         sys.executable,
@@ -183,7 +157,7 @@ def run_setup(
     with contextlib.ExitStack() as stack:
         pids = []
         if name == "worker":
-            worker = stack.enter_context(WorkerChild(logs / "worker.log"))
+            worker = stack.enter_context(WorkerChild(MODEL, logs / "worker.log"))
             assert worker.process is not None
             pids.append(worker.process.pid)
             command = serve_command(port, "--no-model", "--worker", f"grpc://{HOST}:{worker.port}")
