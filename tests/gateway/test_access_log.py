@@ -31,3 +31,17 @@ def test_an_encoded_crlf_in_a_path_does_not_forge_an_access_log_line(
     logged = [line for line in lines if "/v1/streams/str_" in line]
     assert len(logged) == 1
     assert "%0D%0AINFO" in logged[0]
+
+
+def test_the_http2_listener_leaves_the_access_log_on(capfd: pytest.CaptureFixture[str]) -> None:
+    """Starting the HTTP/2 listener (its own uvicorn configuration, for HTTP/1.1 on its
+    port) does not switch off the access log of the HTTP/1.1 port."""
+    options = ("--no-model", "--access-log", "--http2-port", "0")
+    with ServerProcess(*options, log_level="info") as server:
+        server.wait_ready()
+        response = open_get(server.port, "/v1/demo/words?text=logged&interval_ms=0")
+        assert response.status == 200
+        response.close()
+        assert server.stop() == 0
+    lines = capfd.readouterr().out.splitlines()
+    assert any('"GET /v1/demo/words?text=logged&interval_ms=0 HTTP/1.1" 200' in x for x in lines)

@@ -132,8 +132,10 @@ class _Listener:
             http=protocol_class(opener, native=options.native),
             ws="none",
             lifespan="off",
+            # Neither touches logging: uvicorn configures the process's loggers when a
+            # Config is made (access_log=False would remove the access log's handlers,
+            # the HTTP/1.1 port's too); the access log follows the HTTP/1.1 port's.
             log_config=None,
-            access_log=False,
             server_header=False,
             timeout_keep_alive=int(_KEEP_ALIVE_S),
         )
