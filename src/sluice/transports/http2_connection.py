@@ -51,9 +51,14 @@ import h2.settings
 
 from sluice.transports.answer import Answer, Streamed, Whole
 from sluice.transports.asgi import ASGIApp, Message, Scope
-from sluice.transports.delivery import Delivery
+from sluice.transports.delivery import Delivery, kernel_write_deadline_s
 from sluice.transports.http1.opener import Opener, Refusal, Route
-from sluice.transports.http1.protocol import INTERNAL_ERROR, RequestBody, no_body
+from sluice.transports.http1.protocol import (
+    INTERNAL_ERROR,
+    RequestBody,
+    no_body,
+    set_write_deadline,
+)
 from sluice.transports.sse import SSE_HEADERS, CallbackSSE
 
 __all__ = [
@@ -562,6 +567,9 @@ class H2Protocol(asyncio.Protocol):
         self._client = _address(transport.get_extra_info("peername"))
         self._server = _address(transport.get_extra_info("sockname"))
         self.site.connections.add(self)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # a peer gone without a FIN is dropped by the kernel, as on h1
+            set_write_deadline(sock, kernel_write_deadline_s(self.site.opener.delivery))
         self._conn.initiate_connection()
         self._write_now()
         self._arm_idle()
