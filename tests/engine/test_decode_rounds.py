@@ -21,6 +21,8 @@ from sluice.engine.models.decode import DecodeRounds
 from sluice.engine.models.head import LMHead
 from tests.engine.tiny_models import varied_gpt2
 
+pytestmark = pytest.mark.usefixtures("attention_path")
+
 BLOCK_SIZE = 4
 NUM_BLOCKS = 32
 ATOL = 1e-5

@@ -13,6 +13,8 @@ import torch
 from sluice.engine.kv_cache import KVCache
 from sluice.engine.models import GPT2StepError, LlamaConfig, LlamaForCausalLM, StepSequence
 
+pytestmark = pytest.mark.usefixtures("attention_path")
+
 CONFIG = LlamaConfig(
     vocab_size=97,
     hidden_size=64,

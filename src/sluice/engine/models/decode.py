@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from sluice.engine.kv_cache import KVCache, num_blocks_for
+from sluice.engine.models.native_attention import NativeGroup, load_native_attention
 from sluice.engine.models.step import AttentionGroup, StepError, StepLayout
 
 __all__ = ["DecodeRounds"]
@@ -86,6 +87,9 @@ class DecodeRounds:
         self._num_rounds = list(num_rounds)
         self._zero_slot = kv_cache.zero_slot
         self._device = device
+        self._kernel = load_native_attention(kv_cache)
+        self._tables = torch.tensor(tables, dtype=torch.long)
+        self._all_rows = torch.arange(n, dtype=torch.long)
         # [n, max_context]: the cache slot of each key position, the zero slot past the end.
         self._keys = torch.where(in_context, keys, kv_cache.zero_slot).to(device)
         positions = torch.tensor(first_positions, dtype=torch.long, device=device)
@@ -112,16 +116,26 @@ class DecodeRounds:
             raise StepError(f"a sequence of round {round_} has fewer rounds")
         if rows is None:
             contexts = [first + round_ + 1 for first in firsts]
-            keys, slots = self._keys, self._slots[round_]
+            index, slots = None, self._slots[round_]
             positions = self._positions[round_]
         else:
             if not rows:
                 raise StepError("a round needs at least one sequence")
             contexts = [firsts[row] + round_ + 1 for row in rows]
             index = torch.tensor(rows, dtype=torch.long, device=self._device)
-            keys = self._keys.index_select(0, index)
             slots = self._slots[round_].index_select(0, index)
             positions = self._positions[round_].index_select(0, index)
+        if self._kernel is not None:
+            row_seqs = self._all_rows if index is None else index
+            native = NativeGroup(
+                self._kernel,
+                self._all_rows[: len(contexts)],
+                row_seqs,
+                torch.tensor(contexts, dtype=torch.long),
+                self._tables,
+            )
+            return StepLayout((), positions, slots, (), native)
+        keys = self._keys if index is None else self._keys.index_select(0, index)
         max_context = max(contexts)
         keys = keys[:, :max_context]
         mask: torch.Tensor | None = None

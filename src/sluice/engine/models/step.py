@@ -10,8 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from sluice.engine.kv_cache import KVCache, num_blocks_for
+from sluice.engine.models.native_attention import (
+    NativeAttention,
+    NativeGroup,
+    load_native_attention,
+)
 
 __all__ = [
+    "MAX_NATIVE_QUERY_TOKENS",
     "AttentionGroup",
     "StepError",
     "StepLayout",
@@ -21,6 +27,13 @@ __all__ = [
     "packed_slots",
     "paged_attention",
 ]
+
+
+# A sequence with at most this many new tokens (a decode, a speculative verify) is attended
+# by the C kernel when it can be (native_attention.py): it reads each key once per query, so
+# it pays for few queries; a longer prefill chunk goes to scaled_dot_product_attention,
+# whose blocked matrix products reuse each key across the chunk's queries.
+MAX_NATIVE_QUERY_TOKENS = 16
 
 
 class StepError(ValueError):
@@ -249,13 +262,16 @@ class StepLayout:
 
     Decoding sequences (one new token each) attend in ONE call, and so do the sequences
     with several new tokens (prefill chunks), each with its causal mask. Mixing both in one
-    padded group would pad every decode to the longest chunk.
+    padded group would pad every decode to the longest chunk. On a float32 CPU cache the C
+    kernel takes the decodes and short verifies instead (``native``), reading the cache in
+    place; ``groups`` then holds the longer chunks only.
     """
 
     seqs: Sequence[StepSequence]
     positions: torch.Tensor
     slots: torch.Tensor  # the cache slot of every packed token
     groups: tuple[AttentionGroup, ...]  # the decodes' group, then the chunks' group
+    native: NativeGroup | None = None
 
     @classmethod
     def of(
@@ -264,14 +280,49 @@ class StepLayout:
         device = positions.device
         slots = packed_slots(positions, seqs, kv_cache)
         num_tokens = int(positions.shape[0])
-        decodes = [seq for seq in seqs if seq.num_new_tokens == 1]
-        chunks = [seq for seq in seqs if seq.num_new_tokens > 1]
+        kernel = load_native_attention(kv_cache)
+        native: NativeGroup | None = None
+        if kernel is not None:
+            short = [seq for seq in seqs if seq.num_new_tokens <= MAX_NATIVE_QUERY_TOKENS]
+            if short:
+                native = native_group(kernel, short, kv_cache)
+            members = [[seq for seq in seqs if seq.num_new_tokens > MAX_NATIVE_QUERY_TOKENS]]
+        else:
+            members = [
+                [seq for seq in seqs if seq.num_new_tokens == 1],
+                [seq for seq in seqs if seq.num_new_tokens > 1],
+            ]
         groups = tuple(
-            AttentionGroup.of(members, num_tokens, kv_cache, device)
-            for members in (decodes, chunks)
-            if members
+            AttentionGroup.of(group, num_tokens, kv_cache, device) for group in members if group
         )
-        return cls(seqs, positions, slots, groups)
+        return cls(seqs, positions, slots, groups, native)
+
+
+def native_group(
+    kernel: NativeAttention, seqs: Sequence[StepSequence], kv_cache: KVCache
+) -> NativeGroup:
+    """The kernel's rows for ``seqs``: each new token attends to the keys up to its own."""
+    max_blocks = num_blocks_for(max(seq.context_len for seq in seqs), kv_cache.block_size)
+    tables = [
+        list(seq.block_table[:max_blocks])
+        + [0] * (max_blocks - min(max_blocks, len(seq.block_table)))
+        for seq in seqs
+    ]
+    rows: list[int] = []
+    row_seqs: list[int] = []
+    row_lens: list[int] = []
+    for index, seq in enumerate(seqs):
+        first = seq.context_len - seq.num_new_tokens + 1
+        rows.extend(range(seq.start, seq.end))
+        row_seqs.extend([index] * seq.num_new_tokens)
+        row_lens.extend(range(first, seq.context_len + 1))
+    return NativeGroup(
+        kernel,
+        torch.tensor(rows, dtype=torch.long),
+        torch.tensor(row_seqs, dtype=torch.long),
+        torch.tensor(row_lens, dtype=torch.long),
+        torch.tensor(tables, dtype=torch.long),
+    )
 
 
 def attend_group(
@@ -302,6 +353,8 @@ def paged_attention(
     cache; ``[num_tokens, heads * dim]``. Grouped-query caches (fewer KV heads) are
     attended as such (``enable_gqa``), never expanded."""
     num_tokens, num_heads, head_dim = q.shape
+    if layout.native is not None:
+        return native_attention(q, layout, kv_cache, layer)
     if len(layout.groups) == 1 and layout.groups[0].rows is None:
         # Decodes only: the group's output rows are the packed rows.
         return attend_group(q, layout.groups[0], kv_cache, layer).reshape(
@@ -315,3 +368,22 @@ def paged_attention(
         assert attention_group.out_rows is not None
         out.index_copy_(0, attention_group.out_rows, attended)
     return out.reshape(num_tokens, num_heads * head_dim)
+
+
+def native_attention(
+    q: torch.Tensor, layout: StepLayout, kv_cache: KVCache, layer: int
+) -> torch.Tensor:
+    """:func:`paged_attention` with the kernel taking ``layout.native``'s rows (in float32)
+    and scaled_dot_product_attention the chunks of ``layout.groups``."""
+    assert layout.native is not None
+    num_tokens, num_heads, head_dim = q.shape
+    query = q if q.dtype is torch.float32 else q.float()
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=torch.float32)
+    layout.native.attend(query, out, kv_cache, layer)
+    for attention_group in layout.groups:
+        attended = attend_group(query, attention_group, kv_cache, layer)
+        if attention_group.valid is not None:
+            attended = attended[attention_group.valid]
+        assert attention_group.out_rows is not None
+        out.index_copy_(0, attention_group.out_rows, attended)
+    return out.view(num_tokens, num_heads * head_dim).to(q.dtype)
