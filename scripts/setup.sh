@@ -20,6 +20,11 @@ apt_install() {
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$@" >/dev/null
 }
 
+# A C compiler: the engine builds its paged attention kernel on first use
+# (src/sluice/engine/models/native_attention.py); without one it keeps the slower torch path.
+if ! command -v cc >/dev/null; then
+    apt_install gcc libc6-dev
+fi
 if ((want_test)) && [[ ! -x /usr/bin/chromium ]]; then
     apt_install chromium
 fi

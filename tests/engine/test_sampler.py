@@ -29,6 +29,18 @@ def test_greedy_takes_the_argmax_and_reports_its_logprob() -> None:
     assert logprobs == pytest.approx([float(expected[0, 1]), float(expected[1, 0])])
 
 
+def test_greedy_ties_take_the_first_maximum_as_argmax_does() -> None:
+    """Every tie of a wide batch, wherever it sits, resolves to the first index."""
+    torch.manual_seed(0)
+    logits = torch.randn(64, 4096)
+    for row in range(64):
+        first = (row * 61) % 4000
+        logits[row, first] = logits[row, first + 1 + row] = 10.0
+    results = Sampler().sample(logits, [SamplingParams(temperature=0)] * 64, list(range(64)))
+    assert tokens(results) == [(row * 61) % 4000 for row in range(64)]
+    assert tokens(results) == logits.argmax(dim=-1).tolist()
+
+
 def test_top_k_keeps_only_the_k_largest() -> None:
     filtered = filter_logits(torch.tensor([1.0, 4.0, 3.0, 2.0]), SamplingParams(top_k=2))
     assert torch.isinf(filtered[[0, 3]]).all()

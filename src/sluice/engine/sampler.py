@@ -111,13 +111,15 @@ class Sampler:
         rows = logits.float()
         log_probs = torch.log_softmax(rows, dim=-1)
         # The max is NaN when a row holds a NaN, +inf with a +inf, -inf when all are -inf.
-        finite = torch.isfinite(rows.max(dim=-1).values).tolist()
-        # Greedy rows, the common case, take one argmax and one gather for the whole batch
-        # (the same first-maximum rule as a row's own argmax), not a few calls per row.
+        # Its indices are each row's first maximum, argmax's rule, at a third of the cost of
+        # a batched argmax on the CPU.
+        top, tokens = rows.max(dim=-1)
+        finite = torch.isfinite(top).tolist()
+        # Greedy rows, the common case, take that max and one gather for the whole batch,
+        # not a few calls per row.
         greedy_tokens: list[int] = []
         greedy_logprobs: list[float] = []
         if any(row_params.greedy for row_params in params):
-            tokens = rows.argmax(dim=-1)
             greedy_tokens = tokens.tolist()
             greedy_logprobs = log_probs.gather(1, tokens[:, None])[:, 0].tolist()
         results: list[Sampled | Exception] = []

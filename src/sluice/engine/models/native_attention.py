@@ -27,7 +27,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -96,54 +96,20 @@ class NativeAttention:
         self._function.argtypes = (ctypes.POINTER(_Args),)
         self._function.restype = ctypes.c_int
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        out: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        native: NativeGroup,
-        *,
-        block_size: int,
-        num_blocks: int,
-    ) -> None:
-        """Write the attention of ``native``'s rows of ``q`` (``[num_tokens, heads, dim]``,
-        float32, each token's heads contiguous) to the same rows of ``out`` (contiguous).
-        ``k_cache``/``v_cache`` are a layer's flat ``[slots, kv_heads, dim]`` float32
-        tensors."""
-        _, num_heads, head_dim = q.shape
-        if q.stride(2) != 1 or q.stride(1) != head_dim:
-            q = q.contiguous()
-        num_kv_heads = k_cache.shape[1]
-        args = _Args(
-            q.data_ptr(),
-            out.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            native.rows.data_ptr(),
-            native.row_seqs.data_ptr(),
-            native.row_lens.data_ptr(),
-            native.tables.data_ptr(),
-            native.rows.shape[0],
-            q.stride(0),
-            native.tables.shape[1],
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            block_size,
-            num_blocks,
-            head_dim**-0.5,
-            torch.get_num_threads(),
-        )
+    def call(self, args: _Args) -> None:
+        """Run the kernel on ``args``; raise what its status says."""
         status = self._function(ctypes.byref(args))
         if status == _BAD_BLOCK:
-            raise NativeAttentionError(f"a block table names a block outside [0, {num_blocks})")
+            raise NativeAttentionError(
+                f"a block table names a block outside [0, {args.num_blocks})"
+            )
         if status == _NO_MEMORY:
             raise MemoryError("paged attention: no memory for the scores")
         if status != 0:
             raise NativeAttentionError(
-                f"paged attention refused {native.rows.shape[0]} rows of {num_heads} heads "
-                f"({num_kv_heads} KV heads) of dim {head_dim}, block size {block_size}"
+                f"paged attention refused {args.num_rows} rows of {args.num_heads} heads "
+                f"({args.num_kv_heads} KV heads) of dim {args.head_dim}, block size "
+                f"{args.block_size}"
             )
 
 
@@ -160,18 +126,40 @@ class NativeGroup:
     row_seqs: torch.Tensor
     row_lens: torch.Tensor
     tables: torch.Tensor  # [num_seqs, max_blocks]
+    # The kernel's arguments, the rows' filled in once: each layer sets its tensors'.
+    _args: _Args = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        args = _Args()
+        args.rows = self.rows.data_ptr()
+        args.row_seqs = self.row_seqs.data_ptr()
+        args.row_lens = self.row_lens.data_ptr()
+        args.tables = self.tables.data_ptr()
+        args.num_rows = self.rows.shape[0]
+        args.table_stride = self.tables.shape[1]
+        object.__setattr__(self, "_args", args)
 
     def attend(self, q: torch.Tensor, out: torch.Tensor, kv_cache: KVCache, layer: int) -> None:
-        """Write these rows' attention over layer ``layer`` of ``kv_cache`` into ``out``."""
-        self.kernel.attend(
-            q,
-            out,
-            kv_cache.flat_k[layer],
-            kv_cache.flat_v[layer],
-            self,
-            block_size=kv_cache.block_size,
-            num_blocks=kv_cache.num_blocks,
-        )
+        """Write these rows' attention over layer ``layer`` of ``kv_cache`` into ``out``
+        (contiguous ``[num_tokens, heads, dim]``), of ``q`` (the same shape, float32, each
+        token's heads contiguous)."""
+        _, num_heads, head_dim = q.shape
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
+            q = q.contiguous()
+        args = self._args
+        args.q = q.data_ptr()
+        args.out = out.data_ptr()
+        args.k_cache = kv_cache.flat_k[layer].data_ptr()
+        args.v_cache = kv_cache.flat_v[layer].data_ptr()
+        args.q_stride = q.stride(0)
+        args.num_heads = num_heads
+        args.num_kv_heads = kv_cache.num_kv_heads
+        args.head_dim = head_dim
+        args.block_size = kv_cache.block_size
+        args.num_blocks = kv_cache.num_blocks
+        args.scale = head_dim**-0.5
+        args.num_threads = torch.get_num_threads()
+        self.kernel.call(args)
 
 
 def load_native_attention(kv_cache: KVCache | None = None) -> NativeAttention | None:
