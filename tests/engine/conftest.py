@@ -7,8 +7,9 @@ import pytest
 
 @pytest.fixture(params=["native-attention", "torch-attention"])
 def attention_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each paged model test runs twice: attention by the C kernel (the default on a
-    float32 CPU cache) and by the torch path (``SLUICE_NATIVE_ATTENTION=0``)."""
+    """Each test runs twice: with the C kernels (the default on a float32 CPU cache:
+    attention, and a GPT-2 draft's greedy rounds) and with the torch path alone
+    (``SLUICE_NATIVE_KERNELS=0``)."""
     if request.param == "torch-attention":
-        monkeypatch.setenv("SLUICE_NATIVE_ATTENTION", "0")
+        monkeypatch.setenv("SLUICE_NATIVE_KERNELS", "0")
     return str(request.param)

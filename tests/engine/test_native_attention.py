@@ -1,6 +1,6 @@
 """The C paged attention kernel gives the torch path's attention, reads only the cache.
 
-Each test lays out one step twice, with the kernel (``SLUICE_NATIVE_ATTENTION`` unset) and
+Each test lays out one step twice, with the kernel (``SLUICE_NATIVE_KERNELS`` unset) and
 without it (``=0``), and compares what :func:`paged_attention` returns. The torch path is
 itself checked against cache-free reference models in test_gpt2_paged.py and
 test_llama_paged.py, which run both paths too.
@@ -16,11 +16,8 @@ import pytest
 import torch
 
 from sluice.engine.kv_cache import KVCache
-from sluice.engine.models.native_attention import (
-    NativeAttentionError,
-    build_kernel,
-    load_native_attention,
-)
+from sluice.engine.models.native_attention import NativeAttentionError, load_native_attention
+from sluice.engine.models.native_build import build_kernel
 from sluice.engine.models.step import (
     MAX_NATIVE_QUERY_TOKENS,
     StepLayout,
@@ -77,9 +74,9 @@ def attend_both_ways(
         [p for seq in seqs for p in range(seq.context_len - seq.num_new_tokens, seq.context_len)]
     )
     native_layout = StepLayout.of(seqs, positions, cache)
-    monkeypatch.setenv("SLUICE_NATIVE_ATTENTION", "0")
+    monkeypatch.setenv("SLUICE_NATIVE_KERNELS", "0")
     torch_layout = StepLayout.of(seqs, positions, cache)
-    monkeypatch.delenv("SLUICE_NATIVE_ATTENTION")
+    monkeypatch.delenv("SLUICE_NATIVE_KERNELS")
     assert torch_layout.native is None
     native = paged_attention(q, native_layout, cache, 1)
     reference = paged_attention(q, torch_layout, cache, 1)
@@ -183,23 +180,29 @@ def test_a_float16_cache_keeps_the_torch_path() -> None:
 
 def test_the_kernel_is_built_once_per_source_compiler_and_cpu(tmp_path: Path) -> None:
     cache_dir = tmp_path
-    first = build_kernel(cache_dir, "cc")
+    first = build_kernel(cache_dir, "cc", "paged_attention")
     built_at = first.stat().st_mtime_ns
-    again = build_kernel(cache_dir, "cc")
+    again = build_kernel(cache_dir, "cc", "paged_attention")
     assert again == first
     assert again.stat().st_mtime_ns == built_at
     assert [path.name for path in cache_dir.iterdir()] == [first.name]
+    assert first.name.startswith("paged_attention-")
 
 
 def test_no_compiler_is_an_os_error_naming_it(tmp_path: Path) -> None:
     with pytest.raises(OSError, match="no-such-cc"):
-        build_kernel(tmp_path, "no-such-cc")
+        build_kernel(tmp_path, "no-such-cc", "paged_attention")
+
+
+def test_an_unknown_kernel_is_an_os_error_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(OSError, match="no-such-kernel"):
+        build_kernel(tmp_path, "cc", "no-such-kernel")
 
 
 def test_turned_off_by_the_environment(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setenv("SLUICE_NATIVE_ATTENTION", "0")
+    monkeypatch.setenv("SLUICE_NATIVE_KERNELS", "0")
     with caplog.at_level(logging.WARNING):
         assert load_native_attention() is None
     assert caplog.records == []

@@ -24,6 +24,9 @@ from tests.engine.test_engine import (
 )
 from tests.engine.tiny_models import varied_gpt2
 
+# Drafting in C (a GPT-2 draft, greedy) and by the torch rounds, attention either way.
+pytestmark = pytest.mark.usefixtures("attention_path")
+
 GREEDY = SamplingParams(max_tokens=16, temperature=0)
 # A draft of the same vocabulary and positions, half the size: it mostly disagrees.
 DRAFT_CONFIG = GPT2Config(vocab_size=101, n_positions=256, n_embd=32, n_layer=1, n_head=2)

@@ -18,7 +18,10 @@ catch-up too, when it is one token a sequence, as after a rejection) are laid ou
 :meth:`DraftModelProposer.propose` by
 :class:`~sluice.engine.models.decode.DecodeRounds` and run by the model's ``decode``, and
 greedy drafts stay one tensor a round (the token ids become Python ints once, at the end):
-each round is then mostly the draft model's own arithmetic.
+each round is then mostly the draft model's own arithmetic. A float32 GPT-2 draft on the CPU
+drafts a step whose requests are all greedy, and whose catch-ups are short, in C instead
+(:class:`~sluice.engine.models.native_draft.NativeGreedyDraft`: every round in one call,
+writing the same K/V), since a small draft's rounds are mostly the framework's time.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 
 from sluice.engine.model_runner import ModelRunner, ModelSlice, PagedModel
 from sluice.engine.models.decode import DecodeRounds
+from sluice.engine.models.native_draft import MAX_NATIVE_CATCH_UP_TOKENS, NativeGreedyDraft
 from sluice.engine.sampler import filter_logits
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.sequence import Sequence
@@ -130,6 +134,7 @@ class DraftModelProposer:
 
     def __init__(self, model: PagedModel, *, num_blocks: int, block_size: int) -> None:
         self.runner = ModelRunner(model, model.make_kv_cache(num_blocks, block_size))
+        self._native = NativeGreedyDraft.for_model(model, self.runner.kv_cache)
         self.vocab_size = model.config.vocab_size
         self.n_positions = model.config.n_positions
         self._states: dict[int, _DraftState] = {}
@@ -160,8 +165,21 @@ class DraftModelProposer:
         slices = [self._catch_up(request) for request in requests]
         self._num_caught_up = sum(len(s.token_ids) - 1 for s in slices)
         self._catch_up_s = 0.0
-        with torch.inference_mode():
-            tokens, probs = self._draft(requests, slices)
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        if (
+            self._native is not None
+            and all(request.params.greedy for request in requests)
+            and all(len(s.token_ids) <= MAX_NATIVE_CATCH_UP_TOKENS for s in slices)
+        ):
+            tokens = self._native.draft(
+                [s.token_ids for s in slices],
+                [s.start_position for s in slices],
+                [request.num_tokens for request in requests],
+                [request.seq.block_table for request in requests],
+            )
+        else:
+            with torch.inference_mode():
+                tokens, probs = self._draft(requests, slices)
         drafts: dict[int, Draft] = {}
         for i, request in enumerate(requests):
             seq = request.seq

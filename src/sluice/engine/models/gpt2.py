@@ -283,6 +283,10 @@ class GPT2LMHeadModel(nn.Module):
             hidden = block(hidden, layout, kv_cache)
         return hidden
 
+    def transposed_head(self) -> torch.Tensor:
+        """The LM head's weight as a contiguous ``[n_embd, vocab_size]`` copy, up to date."""
+        return self._head.transposed_weight()
+
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         ln_f = self.transformer.ln_f
         return self._head(

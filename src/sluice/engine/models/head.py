@@ -38,6 +38,11 @@ class LMHead:
         weight = self._linear.weight
         if torch.is_grad_enabled() and weight.requires_grad:
             return F.linear(hidden, weight)
+        return torch.mm(hidden, self.transposed_weight())
+
+    def transposed_weight(self) -> torch.Tensor:
+        """The head's weight as a contiguous ``[hidden, vocab]`` copy, up to date."""
+        weight = self._linear.weight
         if (
             self._transposed is None
             or self._source is not weight
@@ -48,4 +53,4 @@ class LMHead:
             with torch.inference_mode(False), torch.no_grad():
                 self._transposed = weight.detach().t().contiguous()
             self._source, self._source_version = weight, weight._version
-        return torch.mm(hidden, self._transposed)
+        return self._transposed

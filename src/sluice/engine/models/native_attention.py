@@ -1,63 +1,34 @@
-"""The paged attention kernel in C (``paged_attention.c``): built once per machine, loaded
-through ctypes, called by :func:`~sluice.engine.models.step.paged_attention` for a step's
-decodes and short verifies on a float32 CPU cache.
+"""The paged attention kernel in C (``paged_attention.c``), loaded through ctypes and called
+by :func:`~sluice.engine.models.step.paged_attention` for a step's decodes and short
+verifies on a float32 CPU cache.
 
 Why C: the torch path copies each sequence's keys and values out of the cache by block
 table before it attends; at 64 decoding sequences of ``sluice-tiny`` that copy and the
 attention after it were two thirds of the step. The kernel reads K and V in place
-(``bench/engine_throughput.py`` has the figures).
-
-How it is built: the first process that needs it compiles the source with the C compiler
-(``$CC``, else ``cc``) for this CPU (``-march=native``) with OpenMP, into
-``$SLUICE_KERNEL_CACHE`` (default ``~/.cache/sluice/kernels``), under a name that hashes
-the source, the flags, the compiler and the CPU; later processes load that file. The
-OpenMP runtime it links is torch's own ``libgomp`` when torch ships one, so both share one
-thread pool. When there is no compiler, or the build fails, the engine keeps the torch
-path and says so once in the log. ``SLUICE_NATIVE_ATTENTION=0`` turns the kernel off.
+(``bench/engine_throughput.py`` has the figures). How it is built, and what happens without
+a compiler: :mod:`sluice.engine.models.native_build`. ``SLUICE_NATIVE_KERNELS=0`` turns
+it off.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path
 
 import torch
 
 from sluice.engine.kv_cache import KVCache
+from sluice.engine.models.native_build import load_kernel
 
 __all__ = [
     "NativeAttention",
     "NativeAttentionError",
     "NativeGroup",
-    "build_kernel",
     "load_native_attention",
 ]
 
-log = logging.getLogger(__name__)
-
-_SOURCE = "paged_attention.c"
-_FLAGS = (
-    "-O3",
-    "-march=native",
-    "-fno-math-errno",
-    "-fassociative-math",
-    "-fno-signed-zeros",
-    "-fno-trapping-math",
-    "-fopenmp",
-    "-shared",
-    "-fPIC",
-)
-_BUILD_TIMEOUT_S = 120.0
 _BAD_BLOCK, _NO_MEMORY = 1, 4  # paged_attention.c: SLUICE_BAD_SHAPE is 2
 
 
@@ -165,7 +136,7 @@ class NativeGroup:
 def load_native_attention(kv_cache: KVCache | None = None) -> NativeAttention | None:
     """The kernel, built if need be; None when it is turned off, cannot be built, or does
     not fit ``kv_cache`` (which must be float32 on the CPU)."""
-    if os.environ.get("SLUICE_NATIVE_ATTENTION", "1") == "0":
+    if os.environ.get("SLUICE_NATIVE_KERNELS", "1") == "0":
         return None
     if kv_cache is not None:
         flat_k = kv_cache.flat_k[0]
@@ -176,68 +147,5 @@ def load_native_attention(kv_cache: KVCache | None = None) -> NativeAttention | 
 
 @functools.cache
 def _load() -> NativeAttention | None:
-    cache_dir = Path(
-        os.environ.get("SLUICE_KERNEL_CACHE") or Path.home() / ".cache" / "sluice" / "kernels"
-    )
-    try:
-        return NativeAttention(
-            ctypes.CDLL(str(build_kernel(cache_dir, os.environ.get("CC") or "cc")))
-        )
-    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
-        log.warning("paged attention kernel unavailable, using the torch path: %s", exc)
-        return None
-
-
-def _openmp_flags() -> list[str]:
-    """Link torch's own libgomp when it ships one: one OpenMP runtime in the process."""
-    torch_lib = Path(torch.__file__).parent / "lib"
-    if (torch_lib / "libgomp.so.1").exists():
-        return [f"-L{torch_lib}", "-l:libgomp.so.1", f"-Wl,-rpath,{torch_lib}"]
-    return []
-
-
-def _cpu_signature() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(lines)))
-
-
-def build_kernel(cache_dir: Path, compiler: str) -> Path:
-    """The kernel's shared library in ``cache_dir``, compiled with ``compiler`` unless a
-    build of the same source, flags, compiler and CPU is there already. Raises
-    :class:`OSError` when there is no such compiler or it fails."""
-    source = resources.files("sluice.engine.models").joinpath(_SOURCE).read_bytes()
-    compiler_path = shutil.which(compiler)
-    if compiler_path is None:
-        raise OSError(f"no C compiler {compiler!r} on PATH")
-    version = subprocess.run(
-        [compiler_path, "--version"], capture_output=True, check=True, timeout=30
-    ).stdout
-    flags = [*_FLAGS, *_openmp_flags(), "-lm"]
-    digest = hashlib.sha256(
-        b"\0".join([source, " ".join(flags).encode(), version, _cpu_signature().encode()])
-    ).hexdigest()[:16]
-    target = cache_dir / f"paged_attention-{digest}.so"
-    if target.exists():
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
-        source_path = Path(scratch) / _SOURCE
-        source_path.write_bytes(source)
-        built = Path(scratch) / target.name
-        result = subprocess.run(
-            [compiler_path, *_FLAGS, str(source_path), "-o", str(built), *_openmp_flags(), "-lm"],
-            capture_output=True,
-            timeout=_BUILD_TIMEOUT_S,
-        )
-        if result.returncode != 0:
-            raise OSError(
-                f"{compiler} failed ({result.returncode}): "
-                f"{result.stderr.decode(errors='replace')[-2000:]}"
-            )
-        os.replace(built, target)  # atomic: a concurrent build's file is as good
-    log.info("built the paged attention kernel: %s", target)
-    return target
+    library = load_kernel("paged_attention")
+    return None if library is None else NativeAttention(library)

@@ -1,0 +1,244 @@
+"""Greedy drafting by a GPT-2 draft model in C (``gpt2_draft.c``): every round of a step in
+one call, for a float32 draft on the CPU (its LM head read in float16 where the CPU converts
+it, F16C: a draft's tokens are proposals the target verifies, so this changes how many are
+accepted, never the output).
+
+:class:`~sluice.engine.proposer.DraftModelProposer` asks :meth:`NativeGreedyDraft.for_model`
+once; when it gives a drafter, steps whose requests are all greedy and whose catch-ups are
+short draft through it, and the others through the torch model as before. The drafter
+reads the model's parameters at every call (so a replaced or reloaded weight is never read
+stale) and writes K/V to the draft's own paged cache exactly where the torch rounds would.
+``SLUICE_NATIVE_KERNELS=0`` turns it off, with the attention kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+
+import torch
+
+from sluice.engine.kv_cache import KVCache
+from sluice.engine.models.gpt2 import GPT2LMHeadModel
+from sluice.engine.models.native_attention import NativeAttentionError
+from sluice.engine.models.native_build import load_kernel
+from sluice.engine.models.step import StepError
+
+__all__ = ["MAX_NATIVE_CATCH_UP_TOKENS", "NativeGreedyDraft"]
+
+# A catch-up longer than this (a sequence's first draft, after its prompt) runs as one torch
+# forward over the chunk: the C rounds take its tokens one at a time.
+MAX_NATIVE_CATCH_UP_TOKENS = 8
+
+_BAD_BLOCK, _NO_MEMORY = 1, 4  # as in paged_attention.c
+_LAYER_FIELDS = (
+    "ln_1_weight",
+    "ln_1_bias",
+    "c_attn_weight",
+    "c_attn_bias",
+    "attn_proj_weight",
+    "attn_proj_bias",
+    "ln_2_weight",
+    "ln_2_bias",
+    "c_fc_weight",
+    "c_fc_bias",
+    "mlp_proj_weight",
+    "mlp_proj_bias",
+    "k_cache",
+    "v_cache",
+)
+
+
+# The parameters of a block, in _LAYER_FIELDS' order (Hugging Face's names).
+_LAYER_PARAMETERS = (
+    "ln_1.weight",
+    "ln_1.bias",
+    "attn.c_attn.weight",
+    "attn.c_attn.bias",
+    "attn.c_proj.weight",
+    "attn.c_proj.bias",
+    "ln_2.weight",
+    "ln_2.bias",
+    "mlp.c_fc.weight",
+    "mlp.c_fc.bias",
+    "mlp.c_proj.weight",
+    "mlp.c_proj.bias",
+)
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = tuple((name, ctypes.c_void_p) for name in _LAYER_FIELDS)
+
+
+class _Args(ctypes.Structure):
+    _fields_ = (
+        ("layers", ctypes.POINTER(_Layer)),
+        ("wte", ctypes.c_void_p),
+        ("head", ctypes.c_void_p),
+        ("wpe", ctypes.c_void_p),
+        ("ln_f_weight", ctypes.c_void_p),
+        ("ln_f_bias", ctypes.c_void_p),
+        ("tables", ctypes.c_void_p),
+        ("forced", ctypes.c_void_p),
+        ("forced_start", ctypes.c_void_p),
+        ("first_positions", ctypes.c_void_p),
+        ("num_drafts", ctypes.c_void_p),
+        ("drafts", ctypes.c_void_p),
+        ("num_layers", ctypes.c_int64),
+        ("vocab_size", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("inner", ctypes.c_int64),
+        ("num_heads", ctypes.c_int64),
+        ("max_positions", ctypes.c_int64),
+        ("num_seqs", ctypes.c_int64),
+        ("table_stride", ctypes.c_int64),
+        ("max_drafts", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("num_blocks", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("num_threads", ctypes.c_int32),
+    )
+
+
+class NativeGreedyDraft:
+    """Greedy drafts of a GPT-2 draft model over its paged cache, by ``gpt2_draft.c``."""
+
+    def __init__(self, library: ctypes.CDLL, model: GPT2LMHeadModel, kv_cache: KVCache) -> None:
+        self._function = library.sluice_gpt2_draft_f32
+        self._function.argtypes = (ctypes.POINTER(_Args),)
+        self._function.restype = ctypes.c_int
+        half_head = library.sluice_gpt2_draft_half_head
+        half_head.restype = ctypes.c_int
+        self._head_dtype = torch.float16 if half_head() else torch.float32
+        self._model = model
+        self._kv_cache = kv_cache
+        self._layer_key: tuple[tuple[int, int, int], ...] = ()
+        self._layer_array: ctypes.Array[_Layer] | None = None
+        self._head_source: torch.Tensor | None = None
+        self._head_version = 0
+        self._half: torch.Tensor | None = None
+
+    @classmethod
+    def for_model(cls, model: object, kv_cache: KVCache) -> NativeGreedyDraft | None:
+        """A drafter for ``model``, or None: not a float32 CPU GPT-2 with a float32 CPU
+        cache, kernels turned off, or no compiler."""
+        if os.environ.get("SLUICE_NATIVE_KERNELS", "1") == "0":
+            return None
+        if not isinstance(model, GPT2LMHeadModel):
+            return None
+        tensors = [*model.parameters(), kv_cache.flat_k[0]]
+        if any(t.device.type != "cpu" or t.dtype is not torch.float32 for t in tensors):
+            return None
+        library = load_kernel("gpt2_draft")
+        return None if library is None else cls(library, model, kv_cache)
+
+    def _layers(self) -> ctypes.Array[_Layer]:
+        """The blocks' pointers, made again whenever a parameter was replaced or changed."""
+        model, cache = self._model, self._kv_cache
+        parameters = list(model.parameters())
+        key = tuple((id(p), p._version, p.data_ptr()) for p in parameters)
+        if self._layer_array is not None and key == self._layer_key:
+            return self._layer_array
+        layers = (_Layer * model.config.n_layer)()
+        for index, block in enumerate(model.transformer.h):
+            named = dict(block.named_parameters())
+            tensors = (
+                *(named[name] for name in _LAYER_PARAMETERS),
+                cache.flat_k[index],
+                cache.flat_v[index],
+            )
+            if not all(t.is_contiguous() for t in tensors):
+                raise StepError("the draft's parameters must be contiguous")
+            layers[index] = _Layer(*(t.data_ptr() for t in tensors))
+        self._layer_key, self._layer_array = key, layers
+        return layers
+
+    def _half_head(self) -> torch.Tensor:
+        """The LM head, transposed (``[hidden, vocab]``), in float16 where the kernel reads
+        it so (a CPU with F16C): made again when the head's weight changes."""
+        head = self._model.transposed_head()
+        if self._head_source is not head or self._head_version != head._version:
+            self._half = head.to(self._head_dtype).contiguous()
+            self._head_source, self._head_version = head, head._version
+        assert self._half is not None
+        return self._half
+
+    def draft(
+        self,
+        catch_up: Sequence[Sequence[int]],
+        first_positions: Sequence[int],
+        num_drafts: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+    ) -> list[list[int]]:
+        """Each sequence's ``num_drafts`` greedy drafts: its ``catch_up`` tokens (at least
+        its last token) run from ``first_positions``, then each draft is fed back in. K/V
+        are written for every token run: the catch-up and every draft but the last.
+
+        Raises :class:`~sluice.engine.models.step.StepError` for a draft past the model's
+        positions or a block table too short, and
+        :class:`~sluice.engine.models.native_attention.NativeAttentionError` for a block
+        outside the cache."""
+        model, cache = self._model, self._kv_cache
+        config = model.config
+        num_seqs = len(catch_up)
+        if not num_seqs == len(first_positions) == len(num_drafts) == len(block_tables):
+            raise StepError("need a position, a draft count and a block table per sequence")
+        max_blocks = max(len(table) for table in block_tables)
+        tables = torch.tensor(
+            [list(table) + [0] * (max_blocks - len(table)) for table in block_tables],
+            dtype=torch.long,
+        )
+        starts = [0]
+        for tokens in catch_up:
+            starts.append(starts[-1] + len(tokens))
+        forced = torch.tensor([t for tokens in catch_up for t in tokens], dtype=torch.long)
+        forced_start = torch.tensor(starts, dtype=torch.long)
+        positions = torch.tensor(first_positions, dtype=torch.long)
+        counts = torch.tensor(num_drafts, dtype=torch.long)
+        max_drafts = max(num_drafts)
+        drafts = torch.zeros((num_seqs, max_drafts), dtype=torch.long)
+        transformer = model.transformer
+        layers = self._layers()
+        head_t = self._half_head()
+        args = _Args(
+            layers,
+            transformer.wte.weight.data_ptr(),
+            head_t.data_ptr(),
+            transformer.wpe.weight.data_ptr(),
+            transformer.ln_f.weight.data_ptr(),
+            transformer.ln_f.bias.data_ptr(),
+            tables.data_ptr(),
+            forced.data_ptr(),
+            forced_start.data_ptr(),
+            positions.data_ptr(),
+            counts.data_ptr(),
+            drafts.data_ptr(),
+            config.n_layer,
+            config.vocab_size,
+            config.n_embd,
+            4 * config.n_embd,
+            config.n_head,
+            config.n_positions,
+            num_seqs,
+            max_blocks,
+            max_drafts,
+            cache.block_size,
+            cache.num_blocks,
+            config.layer_norm_epsilon,
+            torch.get_num_threads(),
+        )
+        status = self._function(ctypes.byref(args))
+        if status == _BAD_BLOCK:
+            raise NativeAttentionError(
+                f"a block table names a block outside [0, {cache.num_blocks})"
+            )
+        if status == _NO_MEMORY:
+            raise MemoryError("greedy draft: no memory for its scratch")
+        if status != 0:
+            raise StepError(
+                f"greedy draft refused: positions {list(first_positions)}, catch-ups of "
+                f"{[len(t) for t in catch_up]}, drafts {list(num_drafts)}, "
+                f"{config.n_positions} positions, tables of {max_blocks} blocks"
+            )
+        return [row[:count] for row, count in zip(drafts.tolist(), num_drafts, strict=True)]

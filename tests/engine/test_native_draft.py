@@ -1,0 +1,154 @@
+"""A GPT-2 draft's greedy rounds in C draft what the torch rounds draft, and write the same
+K/V to the draft's paged cache.
+
+The torch side is the model's own ``decode`` over :class:`DecodeRounds`, as
+:class:`~sluice.engine.proposer.DraftModelProposer` runs it without the kernel; the C side
+is :class:`NativeGreedyDraft` on a second cache filled by the same prefill.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from sluice.engine.kv_cache import KVCache
+from sluice.engine.model_runner import ModelRunner, ModelSlice
+from sluice.engine.models import GPT2Config, GPT2LMHeadModel, StepError
+from sluice.engine.models.decode import DecodeRounds
+from sluice.engine.models.native_attention import NativeAttentionError
+from sluice.engine.models.native_draft import NativeGreedyDraft
+from tests.engine.tiny_models import varied_gpt2
+
+CONFIG = GPT2Config(vocab_size=203, n_positions=96, n_embd=48, n_layer=2, n_head=3)
+BLOCK_SIZE = 4
+NUM_BLOCKS = 96
+
+
+@pytest.fixture(scope="module")
+def model() -> GPT2LMHeadModel:
+    return varied_gpt2(CONFIG, seed=5)
+
+
+def torch_rounds(
+    runner: ModelRunner,
+    catch_up: list[list[int]],
+    firsts: list[int],
+    counts: list[int],
+    tables: list[list[int]],
+) -> list[list[int]]:
+    """The drafts of the torch rounds: the catch-up slices in one forward, then decodes."""
+    drafts: list[list[int]] = [[] for _ in catch_up]
+    with torch.inference_mode():
+        logits = runner.forward(
+            [
+                ModelSlice(tokens, first, table)
+                for tokens, first, table in zip(catch_up, firsts, tables, strict=True)
+            ]
+        )
+        ids = logits.argmax(dim=-1)
+        ends = [first + len(tokens) - 1 for tokens, first in zip(catch_up, firsts, strict=True)]
+        rounds = DecodeRounds(
+            tables, ends, counts, runner.kv_cache, max_positions=CONFIG.n_positions
+        )
+        for round_ in range(max(counts)):
+            rows = [i for i, count in enumerate(counts) if count > round_]
+            for i in rows:
+                drafts[i].append(int(ids[i]))
+            if round_ + 1 < max(counts):
+                next_rows = [i for i in rows if counts[i] > round_ + 1]
+                layout = rounds.layout(
+                    round_ + 1, next_rows if len(next_rows) < len(counts) else None
+                )
+                logits = runner.decode(torch.tensor([drafts[i][-1] for i in next_rows]), layout)
+                full = torch.zeros(len(counts), dtype=torch.long)
+                full[next_rows] = logits.argmax(dim=-1)
+                ids = full
+    return drafts
+
+
+def two_caches(model: GPT2LMHeadModel) -> tuple[ModelRunner, ModelRunner]:
+    return (
+        ModelRunner(model, model.make_kv_cache(NUM_BLOCKS, BLOCK_SIZE)),
+        ModelRunner(model, model.make_kv_cache(NUM_BLOCKS, BLOCK_SIZE)),
+    )
+
+
+def test_drafts_and_written_kv_equal_the_torch_rounds(model: GPT2LMHeadModel) -> None:
+    rng = random.Random(3)
+    blocks = list(range(NUM_BLOCKS))
+    rng.shuffle(blocks)
+    reference, native_runner = two_caches(model)
+    drafter = NativeGreedyDraft.for_model(model, native_runner.kv_cache)
+    assert drafter is not None
+    # Prompts already in both caches, then catch-ups of 1, 2 and 5 tokens and 1-4 drafts.
+    prompt_lens, catch_up_lens, counts = [9, 30, 3], [1, 2, 5], [4, 1, 3]
+    tables, catch_up, firsts = [], [], []
+    for prompt_len, num_catch_up, count in zip(prompt_lens, catch_up_lens, counts, strict=True):
+        num_blocks = -(-(prompt_len + num_catch_up + count) // BLOCK_SIZE)
+        table, blocks = blocks[:num_blocks], blocks[num_blocks:]
+        prompt = [rng.randrange(CONFIG.vocab_size) for _ in range(prompt_len)]
+        for runner in (reference, native_runner):
+            runner.forward([ModelSlice(prompt, 0, table)])
+        tables.append(table)
+        catch_up.append([rng.randrange(CONFIG.vocab_size) for _ in range(num_catch_up)])
+        firsts.append(prompt_len)
+    expected = torch_rounds(reference, catch_up, firsts, counts, tables)
+    assert drafter.draft(catch_up, firsts, counts, tables) == expected
+    for layer in range(CONFIG.n_layer):
+        for torch_cache, c_cache in (
+            (reference.kv_cache.flat_k[layer], native_runner.kv_cache.flat_k[layer]),
+            (reference.kv_cache.flat_v[layer], native_runner.kv_cache.flat_v[layer]),
+        ):
+            torch.testing.assert_close(c_cache, torch_cache, atol=1e-5, rtol=0)
+
+
+def test_a_reloaded_weight_is_read_not_the_old_one(model: GPT2LMHeadModel) -> None:
+    changed = varied_gpt2(CONFIG, seed=5)
+    reference, native_runner = two_caches(changed)
+    drafter = NativeGreedyDraft.for_model(changed, native_runner.kv_cache)
+    assert drafter is not None
+    table = list(range(8))
+    before = drafter.draft([[1, 2, 3]], [0], [4], [table])
+    changed.load_state_dict(varied_gpt2(CONFIG, seed=9).state_dict())
+    after = drafter.draft([[1, 2, 3]], [0], [4], [table])
+    assert after == torch_rounds(reference, [[1, 2, 3]], [0], [4], [table])
+    assert after != before
+
+
+def test_a_draft_past_the_models_positions_is_refused(model: GPT2LMHeadModel) -> None:
+    _, runner = two_caches(model)
+    drafter = NativeGreedyDraft.for_model(model, runner.kv_cache)
+    assert drafter is not None
+    table = list(range(CONFIG.n_positions // BLOCK_SIZE))
+    with pytest.raises(StepError, match="refused"):
+        drafter.draft([[1]], [CONFIG.n_positions - 2], [3], [table])
+
+
+def test_a_block_outside_the_cache_is_refused_not_written(model: GPT2LMHeadModel) -> None:
+    _, runner = two_caches(model)
+    drafter = NativeGreedyDraft.for_model(model, runner.kv_cache)
+    assert drafter is not None
+    before = [flat.clone() for flat in runner.kv_cache.flat_k]
+    with pytest.raises(NativeAttentionError, match="outside"):
+        drafter.draft([[1, 2]], [0], [2], [[NUM_BLOCKS + 5]])
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_cache.flat_k, strict=True))
+
+
+def test_only_float32_cpu_gpt2_drafts_get_a_drafter(
+    model: GPT2LMHeadModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    half = varied_gpt2(CONFIG).to(torch.float16)
+    half_cache = KVCache(
+        num_layers=CONFIG.n_layer,
+        num_blocks=4,
+        block_size=BLOCK_SIZE,
+        num_kv_heads=CONFIG.n_head,
+        head_dim=CONFIG.head_dim,
+        dtype=torch.float16,
+        device="cpu",
+    )
+    assert NativeGreedyDraft.for_model(half, half_cache) is None
+    monkeypatch.setenv("SLUICE_NATIVE_KERNELS", "0")
+    assert NativeGreedyDraft.for_model(model, model.make_kv_cache(4, BLOCK_SIZE)) is None
