@@ -66,8 +66,9 @@ def accept_greedy_many(
     if logits.dim() != 2 or logits.shape[0] != num_rows:
         raise ValueError(f"drafts need {num_rows} rows of logits, got {tuple(logits.shape)}")
     rows = logits.float()
-    finite = torch.isfinite(rows.max(dim=-1).values).tolist()
-    argmax = rows.argmax(dim=-1)
+    # max's indices are each row's first maximum, as argmax's (Sampler.sample says why).
+    top, argmax = rows.max(dim=-1)
+    finite = torch.isfinite(top).tolist()
     # The emitted tokens are the target's argmax at their positions: so are their logprobs.
     chosen = torch.log_softmax(rows, dim=-1).gather(1, argmax[:, None])[:, 0].tolist()
     target_tokens = argmax.tolist()
