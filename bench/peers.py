@@ -8,6 +8,7 @@ RLIMIT_NOFILE, so raise it (``ssebench.raise_nofile()``) before starting any.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import re
@@ -239,6 +240,7 @@ class ServerProcess:
         ready_timeout_s: float = 60.0,
         cwd: Path = BENCH_DIR,
         unset_env: tuple[str, ...] = (),
+        own_process_group: bool = False,
     ) -> None:
         self.name = name
         self.command = command
@@ -250,6 +252,9 @@ class ServerProcess:
             self.env.pop(variable, None)
         self.ready_timeout_s = ready_timeout_s
         self.cwd = cwd
+        # A server that starts processes of its own (vLLM's engine core) runs in a process
+        # group of its own, and stop() ends whatever of that group outlives the server.
+        self.own_process_group = own_process_group
         self.process: subprocess.Popen[bytes] | None = None
         self.exit_note = ""
 
@@ -264,14 +269,19 @@ class ServerProcess:
             log.write(f"$ {' '.join(self.command)}\n".encode())
             log.flush()
             self.process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=self.cwd,
+                start_new_session=self.own_process_group,
             )
         deadline = time.monotonic() + ready_timeout
         while not _answers(self.port, self.health_path):
             if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} exited with {self.process.returncode}; see {self.log_path}"
-                )
+                returncode = self.process.returncode
+                self.stop()  # its process group's leftovers, if it has one
+                raise RuntimeError(f"{self.name} exited with {returncode}; see {self.log_path}")
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(
@@ -291,10 +301,19 @@ class ServerProcess:
         return "?"
 
     def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM, then SIGKILL after ``timeout`` s; records how it ended."""
+        """SIGTERM, then SIGKILL after ``timeout`` s; records how it ended. With
+        ``own_process_group``, what is left of the server's group is then killed."""
         process, self.process = self.process, None
         if process is None:
             return
+        try:
+            self._stop(process, timeout)
+        finally:
+            if self.own_process_group:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+
+    def _stop(self, process: subprocess.Popen[bytes], timeout: float) -> None:
         if process.poll() is not None:
             self.exit_note = f"had exited by itself with {process.returncode}"
             return

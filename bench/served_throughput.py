@@ -1,9 +1,10 @@
-"""Served output tokens/s of ``sluice-tiny``: the engine in the server's process or in its own.
+"""Served output tokens/s of ``sluice-tiny``: Sluice's set-ups and the serving peers'.
 
 The workload of the engine peers' serving rows (``../shared/reports/engine_peers.md``, there
 driven by ``vllm bench serve``): 128-token prompts, 128 output tokens with ``ignore_eos``,
 greedy, streamed ``POST /v1/completions``, a closed loop of C concurrent requests (2 x C
-requests a level, at least 8), with an aiohttp client as vLLM's bench uses. Set-ups, all
+requests a level, at least 8), with an aiohttp client as vLLM's bench uses
+(``served_client``). Set-ups, all
 serving ``models/sluice-tiny`` on 127.0.0.1 and each started once:
 
 - **engine alone** (the ceiling): the same prompts straight into ``AsyncEngine`` in a
@@ -13,18 +14,30 @@ serving ``models/sluice-tiny`` on 127.0.0.1 and each started once:
 - **two processes**: ``sluice worker --model models/sluice-tiny`` and ``sluice serve
   --no-model --worker grpc://...`` in front of it, started by hand;
 - **--engine-process**: ``sluice serve --model models/sluice-tiny --engine-process``: the
-  same split, made by ``sluice serve`` itself (``sluice.engine_process``).
+  same split, made by ``sluice serve`` itself (``sluice.engine_process``);
+- with ``--peers vllm,llama.cpp``, the servers users would pick instead (``served_peers``,
+  installed by ``scripts/install_peers.sh``; one that is not is reported, not run): **vLLM
+  serve** (vLLM CPU's OpenAI server, fp32, 2 threads) and **llama-server** (llama.cpp's,
+  the f32 GGUF, 2 threads, 64 slots, continuous batching), driven by the same client with the
+  same requests. Sluice takes text prompts only, so every server gets the same text, and each
+  peer's ``/tokenize`` must give Sluice's 128 ids for every prompt (a problem otherwise).
 
-The set-ups take turns, run after run, so that a change in the machine's load falls on all
-of them. Reported per set-up and level: median output tokens/s of the runs (and each run's),
-TTFT p50, the server side's CPU per output token (every process of the set-up, from
-/proc), and the ratios to one process and to the engine alone: the median over runs of
-the ratio within a run (paired, so a busy minute of a shared machine falls on both sides). Exit status 1 when a request
-failed or fell short, when a greedy text differs between set-ups, or when a server logged
-trouble; figures are printed, never judged.
+The set-ups take turns, run after run (in reverse order every other run), so that a change
+in the machine's load falls on all of them, and each measurement first waits (at most
+``--quiet-wait`` s) for the machine's other jobs to go quiet. Every run has prompts of its own, so that no
+server's prefix cache (Sluice's is always on, llama-server's by default) holds a prompt from
+an earlier run. Every request is checked: 128 prompt tokens and ``max_tokens`` output tokens
+by the server's usage (or, without one, its text chunks). Reported per set-up and level
+(``served_report``): median output tokens/s of the runs (and each run's), TTFT p50, the
+server side's CPU per output token (every process of the set-up, from /proc), the other
+jobs' cores on the machine meanwhile, and the ratios to one process, to the engine alone and
+to each peer: the median over runs of the ratio within a run; with peers, the issue's two
+served targets, PASS/MISS. Exit status 1 when a request failed or fell short, when a greedy
+text differs between Sluice's set-ups, or when a server logged trouble; a peer's greedy
+differences are listed, and figures are printed, never a failure.
 
-Run: ``python bench/served_throughput.py [--quick] [--runs N] [--levels 1,64]``
-(``--quick``: levels 1 and 8, 32 output tokens, one run; about a minute).
+Run: ``python bench/served_throughput.py [--quick] [--runs N] [--levels 1,64] [--peers
+vllm,llama.cpp]`` (``--quick``: levels 1 and 8, 32 output tokens, one run; about a minute).
 """
 
 from __future__ import annotations
@@ -32,132 +45,39 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
-import inspect
-import math
-import random
+import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
 import orjson
 from tokenizers import Tokenizer
 
+import served_peers
+from engine_peers.launcher import PEERS_DIR, parse_peer_names, wait_for_quiet
+from engine_peers.protocol import ForeignCpu
 from peers import HOST, ServerProcess, WorkerChild, free_port, process_cpu_s, scan_log
+from served_client import MODEL, PROMPT_TOKENS, closed_loop, make_prompts
+from served_report import ENGINE_ALONE, Level, render
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL = REPO / "models" / "sluice-tiny"
-PROMPT_TOKENS = 128
-PROMPT_MODULES = ("argparse", "asyncio", "collections", "json", "logging", "pathlib", "socket")
-SETUPS = ("engine alone", "one process", "two processes", "--engine-process")
+SETUPS = (ENGINE_ALONE, "one process", "two processes", "--engine-process")
 ONE_PROCESS_OPTIONS = ("--no-engine-process",)
-
-
-def make_prompts(count: int, length: int, seed: int = 0) -> list[str]:
-    """``count`` texts that ``sluice-tiny``'s tokenizer encodes as exactly ``length`` tokens:
-    slices of some standard modules' docstrings (as ``bench/engine_throughput.py``)."""
-    tokenizer = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
-    docs = []
-    for name in PROMPT_MODULES:
-        module = importlib.import_module(name)
-        docs.append(inspect.getdoc(module) or "")
-        docs += [
-            inspect.getdoc(getattr(module, a)) or "" for a in sorted(vars(module)) if a[0] != "_"
-        ]
-    ids = tokenizer.encode("\n\n".join(d for d in docs if d)).ids
-    rng = random.Random(seed)
-    prompts: list[str] = []
-    while len(prompts) < count:
-        start = rng.randrange(len(ids) - length)
-        text = tokenizer.decode(ids[start : start + length])
-        if len(tokenizer.encode(text).ids) == length:  # re-encodes to the same length
-            prompts.append(text)
-    return prompts
-
-
-@dataclass
-class Sample:
-    """One request at the client."""
-
-    text: str = ""
-    ttft_s: float | None = None
-    num_tokens: int = 0  # completion_tokens of the usage chunk
-    error: str = ""
-
-
-async def one_request(
-    session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int
-) -> Sample:
-    body = {
-        "model": "sluice-tiny",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    sample = Sample()
-    started = time.perf_counter()
-    parts: list[str] = []
-    try:
-        async with session.post(url, json=body) as response:
-            if response.status != 200:
-                sample.error = f"HTTP {response.status}: {(await response.text())[:200]}"
-                return sample
-            async for line in response.content:
-                if not line.startswith(b"data:") or line.startswith(b"data: [DONE]"):
-                    continue
-                chunk = orjson.loads(line[5:])
-                if chunk.get("error"):
-                    sample.error = str(chunk["error"])[:200]
-                for choice in chunk.get("choices") or ():
-                    if choice.get("text"):
-                        if sample.ttft_s is None:
-                            sample.ttft_s = time.perf_counter() - started
-                        parts.append(choice["text"])
-                if chunk.get("usage"):
-                    sample.num_tokens = chunk["usage"]["completion_tokens"]
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        sample.error = f"{type(exc).__name__}: {exc}"
-    sample.text = "".join(parts)
-    return sample
-
-
-async def closed_loop(
-    base: str, prompts: list[str], concurrency: int, max_tokens: int
-) -> tuple[list[Sample], float]:
-    """Every prompt once, ``concurrency`` at a time; the samples in prompt order, and the
-    wall time."""
-    url = f"{base}/v1/completions"
-    samples: list[Sample] = [Sample() for _ in prompts]
-    next_index = iter(range(len(prompts)))
-    connector = aiohttp.TCPConnector(limit=concurrency + 4)
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-
-        async def client() -> None:
-            for index in next_index:
-                samples[index] = await one_request(session, url, prompts[index], max_tokens)
-
-        started = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(concurrency)))
-        return samples, time.perf_counter() - started
-
-
-@dataclass
-class Level:
-    """One set-up at one concurrency, over the runs."""
-
-    tokens_per_s: list[float] = field(default_factory=list)
-    ttft_p50_ms: list[float] = field(default_factory=list)
-    cpu_ms_per_token: list[float] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)  # of the first run, in prompt order
+# Prompts: a run's at C streams come from seed C + RUN_SEED_STEP x (run + 1), the warm-up's
+# from WARM_UP_SEED, so no server has seen a prompt before (random.seed(-n) is seed(n)).
+WARM_UP_SEED = 0
+RUN_SEED_STEP = 1_000
+# Other jobs share the machine's cores, and a server whose threads spin (llama.cpp's, vLLM's
+# OpenMP threads) loses far more than its share to them: each measurement waits (this long at
+# most) for them to go quiet, as bench/engine_throughput.py does, and the report shows the
+# other jobs' cores during it.
+DEFAULT_QUIET_WAIT_S = 30.0
+MAX_PROBLEMS_PRINTED = 40
 
 
 def serve_command(port: int, *options: str) -> list[str]:
@@ -175,6 +95,7 @@ class Setup:
     base: str
     pids: list[int]
     logs: list[Path]
+    peer: str | None = None  # the --peers name of a serving peer's set-up
 
 
 def start_setup(name: str, logs: Path, stack: contextlib.ExitStack) -> Setup:
@@ -200,10 +121,23 @@ def start_setup(name: str, logs: Path, stack: contextlib.ExitStack) -> Setup:
     return Setup(name, f"http://{HOST}:{port}", pids, paths)
 
 
-def engine_alone(concurrency: int, max_tokens: int) -> None:
+def start_peer(name: str, logs: Path, stack: contextlib.ExitStack, peers_dir: Path) -> Setup | str:
+    """The serving peer ``name``, started, or why it is not (not installed, did not start)."""
+    server = served_peers.locate(name, free_port(), peers_dir)
+    if isinstance(server, str):
+        return server
+    log = logs / f"{name}.log"
+    try:
+        process = stack.enter_context(served_peers.start(server, log))
+    except RuntimeError as exc:
+        return f"did not start: {exc}"
+    return Setup(server.label, f"http://{HOST}:{server.port}", [process.pid], [log], peer=name)
+
+
+def engine_alone(concurrency: int, max_tokens: int, seed: int) -> None:
     """The ceiling: the same requests straight into the engine (``AsyncEngine``, as ``sluice
     serve`` builds it, one torch thread as its ``--engine-threads`` default here), no HTTP.
-    Runs in a child process (``--engine-alone C K``); prints its figures as JSON."""
+    Runs in a child process (``--engine-alone C K SEED``); prints its figures as JSON."""
     import os
 
     import torch
@@ -216,7 +150,7 @@ def engine_alone(concurrency: int, max_tokens: int) -> None:
     checkpoint = load_checkpoint(MODEL)
     prompts = [
         checkpoint.tokenizer.encode(p)
-        for p in make_prompts(max(8, 2 * concurrency), PROMPT_TOKENS, seed=concurrency)
+        for p in make_prompts(max(8, 2 * concurrency), PROMPT_TOKENS, seed=seed)
     ]
     params = SamplingParams(max_tokens, temperature=0, ignore_eos=True)
 
@@ -247,27 +181,37 @@ def engine_alone(concurrency: int, max_tokens: int) -> None:
     sys.stdout.write(orjson.dumps(asyncio.run(run())).decode() + "\n")
 
 
-def measure_alone(level: Level, concurrency: int, max_tokens: int, problems: list[str]) -> None:
-    command = [sys.executable, __file__, "--engine-alone", str(concurrency), str(max_tokens)]
+def measure_alone(level: Level, concurrency: int, max_tokens: int, seed: int,
+                  problems: list[str]) -> None:  # fmt: skip
+    command = [sys.executable, __file__, "--engine-alone"]
+    command += [str(concurrency), str(max_tokens), str(seed)]
+    foreign, started, child_cpu_s = ForeignCpu(), time.monotonic(), _reaped_children_cpu_s()
     done = subprocess.run(command, capture_output=True, cwd=REPO, timeout=600, check=False)
+    # ForeignCpu counts a child that has exited as foreign: take the engine's CPU back out.
+    child_cores = (_reaped_children_cpu_s() - child_cpu_s) / (time.monotonic() - started)
     if done.returncode != 0:
         problems.append(f"engine alone: exit {done.returncode}: {done.stderr.decode()[-400:]}")
+        level.num_short += 1
         return
     result = orjson.loads(done.stdout.splitlines()[-1])
     level.tokens_per_s.append(result["tokens"] / result["wall_s"])
     level.ttft_p50_ms.append(float("nan"))
     level.cpu_ms_per_token.append(result["cpu_s"] * 1000 / max(1, result["tokens"]))
+    level.other_cores.append(max(0.0, _cores(foreign) - child_cores))
     if not level.texts:
         level.texts = result["texts"]
     if result["tokens"] != max_tokens * len(result["texts"]):
         problems.append(f"engine alone, {concurrency} streams: {result['tokens']} tokens")
+        level.num_short += 1
 
 
 def measure(setup: Setup, level: Level, prompts: list[str], concurrency: int, max_tokens: int,
             problems: list[str]) -> None:  # fmt: skip
+    foreign = ForeignCpu()  # the machine's CPU outside this bench's processes
     cpu_before = sum(process_cpu_s(pid) for pid in setup.pids)
     samples, wall_s = asyncio.run(closed_loop(setup.base, prompts, concurrency, max_tokens))
     cpu_s = sum(process_cpu_s(pid) for pid in setup.pids) - cpu_before
+    level.other_cores.append(_cores(foreign))
     num_tokens = sum(s.num_tokens for s in samples)
     level.tokens_per_s.append(num_tokens / wall_s)
     ttfts = [s.ttft_s for s in samples if s.ttft_s is not None]
@@ -276,25 +220,49 @@ def measure(setup: Setup, level: Level, prompts: list[str], concurrency: int, ma
     if not level.texts:
         level.texts = [s.text for s in samples]
     for i, sample in enumerate(samples):
+        where = f"{setup.name}, {concurrency} streams, request {i}"
         if sample.error or sample.num_tokens != max_tokens:
+            level.num_short += 1
             problems.append(
-                f"{setup.name}, {concurrency} streams, request {i}: {sample.num_tokens} tokens"
+                f"{where}: {sample.num_tokens} tokens of {max_tokens}"
                 f"{', ' + sample.error if sample.error else ''}"
+            )
+        if sample.prompt_tokens not in (None, PROMPT_TOKENS):
+            problems.append(f"{where}: {sample.prompt_tokens} prompt tokens by its usage")
+
+
+def _reaped_children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _cores(foreign: ForeignCpu) -> float:
+    cores = foreign.cores()
+    return float("nan") if cores is None else cores
+
+
+def check_tokens(setup: Setup, peer: str, prompts: list[str], ids: list[list[int]],
+                 problems: list[str]) -> None:  # fmt: skip
+    """That the peer ``peer`` makes Sluice's token ids of every prompt (outside the timed
+    window)."""
+    for index, (prompt, wanted) in enumerate(zip(prompts, ids, strict=True)):
+        try:
+            theirs = served_peers.tokenize(peer, setup.base, prompt)
+        except (OSError, ValueError, KeyError) as exc:
+            problems.append(f"{setup.name}: /tokenize failed: {type(exc).__name__}: {exc}")
+            return
+        if theirs != wanted:
+            problems.append(
+                f"{setup.name}: prompt {index} is {len(theirs)} token ids there, Sluice's "
+                f"{len(wanted)}, not the same"
             )
 
 
-def _ms(value: float) -> str:
-    return "—" if math.isnan(value) else f"{value:.0f}"
+def print_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
-def paired_ratio(level: Level, base: Level) -> float:
-    """The median over runs of this set-up's tokens/s over the base's in the same run (the
-    set-ups take turns, so a run's pair saw about the same machine)."""
-    pairs = zip(level.tokens_per_s, base.tokens_per_s, strict=False)
-    return statistics.median(x / y for x, y in pairs) if base.tokens_per_s else float("nan")
-
-
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="levels 1 and 8, 32 tokens, 1 run")
     parser.add_argument("--runs", type=int, default=None, help="runs per set-up (default 3)")
@@ -304,67 +272,108 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(SETUPS),
         help=f"comma-separated, of: {', '.join(SETUPS)} (greedy texts are checked against the first)",
     )
-    parser.add_argument("--engine-alone", nargs=2, type=int, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--peers",
+        default="",
+        help="serving peers to run beside, comma-separated: vllm, llama.cpp "
+        "(scripts/install_peers.sh installs them)",
+    )
+    parser.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=None,
+        help="seconds to wait, at most, before each measurement for the other jobs on the "
+        "machine to go quiet (default 30; 0 with --quick)",
+    )
+    parser.add_argument("--peers-dir", type=Path, default=PEERS_DIR, help=argparse.SUPPRESS)
+    parser.add_argument("--engine-alone", nargs=3, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.engine_alone:
+        return args
+    args.levels = [int(c) for c in args.levels.split(",")] if args.levels else None
+    args.levels = args.levels or ([1, 8] if args.quick else [1, 64])
+    args.runs = args.runs or (1 if args.quick else 3)
+    args.max_tokens = 32 if args.quick else 128
+    if args.quiet_wait is None:
+        args.quiet_wait = 0.0 if args.quick else DEFAULT_QUIET_WAIT_S
+    args.setups = [name.strip() for name in args.setups.split(",")]
+    unknown = sorted(set(args.setups) - set(SETUPS))
+    if unknown:
+        parser.error(f"unknown set-ups: {unknown}")
+    try:
+        args.peers = parse_peer_names(args.peers)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.engine_alone:
         engine_alone(*args.engine_alone)
         return 0
-    levels = [1, 8] if args.quick else [1, 64]
-    if args.levels:
-        levels = [int(level) for level in args.levels.split(",")]
-    runs = args.runs or (1 if args.quick else 3)
-    max_tokens = 32 if args.quick else 128
-    names = [name.strip() for name in args.setups.split(",")]
-    unknown = sorted(set(names) - set(SETUPS))
-    if unknown:
-        parser.error(f"unknown set-ups: {unknown}")
-    prompts = {c: make_prompts(max(8, 2 * c), PROMPT_TOKENS, seed=c) for c in levels}
+    levels, runs, max_tokens, names = args.levels, args.runs, args.max_tokens, args.setups
+    seeds = {(run, c): c + RUN_SEED_STEP * (run + 1) for run in range(runs) for c in levels}
+    prompts = {
+        key: make_prompts(max(8, 2 * key[1]), PROMPT_TOKENS, seed) for key, seed in seeds.items()
+    }
+    tokenizer = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
+    ids = {key: [tokenizer.encode(p).ids for p in texts] for key, texts in prompts.items()}
+    warm_up = make_prompts(max(levels), PROMPT_TOKENS, seed=WARM_UP_SEED)
     logs = Path(tempfile.mkdtemp(prefix="bench-served-"))
-    results = {(name, c): Level() for name in names for c in levels}
     problems: list[str] = []
+    missing: dict[str, str] = {}  # peer set-up -> why it did not run (not installed: no problem)
     with contextlib.ExitStack() as stack:
-        setups = [start_setup(name, logs, stack) for name in names if name != "engine alone"]
-        for setup in setups:  # warm-up: the first requests' one-time costs
-            asyncio.run(closed_loop(setup.base, prompts[levels[0]][:2], 2, 8))
-        for _ in range(runs):
+        setups = [start_setup(name, logs, stack) for name in names if name != ENGINE_ALONE]
+        for peer in args.peers:
+            started = start_peer(peer, logs, stack, args.peers_dir)
+            if isinstance(started, Setup):
+                setups.append(started)
+                continue
+            missing[served_peers.LABELS[peer]] = started
+            if not started.startswith(served_peers.NOT_INSTALLED):  # installed, did not start
+                problems.append(f"{served_peers.LABELS[peer]}: {started}")
+        peers = [setup.name for setup in setups if setup.peer]
+        results = {(name, c): Level() for name in [*names, *peers] for c in levels}
+        for setup in setups:  # warm-up: the first requests' one-time costs, at every batch size
+            asyncio.run(closed_loop(setup.base, warm_up, max(levels), 8))
+        for run in range(runs):
             for c in levels:
-                if "engine alone" in names:
-                    measure_alone(results["engine alone", c], c, max_tokens, problems)
-                for setup in setups:
-                    measure(setup, results[setup.name, c], prompts[c], c, max_tokens, problems)
+                turn: list[Setup | str] = [*([ENGINE_ALONE] if ENGINE_ALONE in names else [])]
+                turn += setups
+                for setup in turn if run % 2 == 0 else turn[::-1]:
+                    if args.quiet_wait > 0:
+                        what = f"{setup if isinstance(setup, str) else setup.name}, {c} streams"
+                        wait_for_quiet(args.quiet_wait, what, log=print_stderr)
+                    if isinstance(setup, str):
+                        measure_alone(results[setup, c], c, max_tokens, seeds[run, c], problems)
+                        continue
+                    if setup.peer:
+                        check_tokens(setup, setup.peer, prompts[run, c], ids[run, c], problems)
+                    measure(setup, results[setup.name, c], prompts[run, c], c, max_tokens, problems)
+        served_bytes = {path: path.stat().st_size for setup in setups for path in setup.logs}
     for setup in setups:
-        problems += [f"{path.name}: {line}" for path in setup.logs for line in scan_log(path)]
+        for path in setup.logs:
+            if setup.peer:  # what it logged while serving (not how it stopped)
+                found = served_peers.scan_peer_log(path, served_bytes[path])
+            else:
+                found = scan_log(path)
+            problems += [f"{path.name}: {line}" for line in found]
     print(
         f"sluice-tiny, {PROMPT_TOKENS} prompt + {max_tokens} output tokens (ignore_eos, greedy), "
-        f"streamed /v1/completions, {runs} run(s) a set-up; logs in {logs}\n"
+        f"streamed /v1/completions, {runs} run(s) a set-up, {os.cpu_count()} CPUs, up to "
+        f"{args.quiet_wait:.0f} s a measurement waiting for quiet; logs in {logs}\n"
     )
-    base = "one process" if "one process" in names else names[0]
-    ceiling = "engine alone" if "engine alone" in names else None
-    print(
-        "| streams | set-up | output tok/s (median) | runs | TTFT p50 (ms) | CPU per token (ms) "
-        f"| / {base} | / engine alone | greedy texts = {names[0]} |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for c in levels:
-        for name in names:
-            level = results[name, c]
-            rate = statistics.median(level.tokens_per_s)
-            spread = " / ".join(f"{x:,.0f}" for x in level.tokens_per_s)
-            of_ceiling = "—"
-            if ceiling is not None:
-                of_ceiling = f"{paired_ratio(level, results[ceiling, c]):.2f}x"
-            equal = level.texts == results[names[0], c].texts
-            if not equal:
-                problems.append(f"{name}, {c} streams: greedy texts differ from {names[0]}'s")
-            print(
-                f"| {c} | {name} | {rate:,.0f} | {spread} | "
-                f"{_ms(statistics.median(level.ttft_p50_ms))} | "
-                f"{statistics.median(level.cpu_ms_per_token):.2f} | "
-                f"{paired_ratio(level, results[base, c]):.2f}x | {of_ceiling} | "
-                f"{'yes' if equal else 'NO'} |"
-            )
-    for problem in problems[:40]:
+    report = render(results, [*names, *peers], levels, peers, missing)
+    print("\n".join(report.lines))
+    problems += report.problems
+    if report.notes:
+        print("\nGreedy texts of the peers that differ from Sluice's (not a failure):")
+        print("\n".join(f"- {note}" for note in report.notes))
+    for problem in problems[:MAX_PROBLEMS_PRINTED]:
         print(f"PROBLEM: {problem}")
+    if len(problems) > MAX_PROBLEMS_PRINTED:
+        print(f"PROBLEM: ... and {len(problems) - MAX_PROBLEMS_PRINTED} more")
     return 1 if problems else 0
 
 

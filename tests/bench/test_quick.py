@@ -141,5 +141,5 @@ def test_served_throughput_quick_run_streams_the_same_greedy_text_in_every_set_u
         for setup in ("engine alone", "one process", "two processes", "--engine-process"):
             row = table_row(output, f"| {level} | {setup} |")
             assert float(row[2].replace(",", "")) > 0, row
-            assert row[6].endswith("x"), row
-            assert row[8] == "yes", row
+            assert row[6].endswith("x"), row  # / one process
+            assert row[-1] == "yes", row  # greedy texts equal
