@@ -19,7 +19,7 @@ catch-up too, when it is one token a sequence, as after a rejection) are laid ou
 :class:`~sluice.engine.models.decode.DecodeRounds` and run by the model's ``decode``, and
 greedy drafts stay one tensor a round (the token ids become Python ints once, at the end):
 each round is then mostly the draft model's own arithmetic. A float32 GPT-2 draft on the CPU
-drafts a step whose requests are all greedy, and whose catch-ups are short, in C instead
+drafts a step of a few sequences, all greedy, whose catch-ups are short, in C instead
 (:class:`~sluice.engine.models.native_draft.NativeGreedyDraft`: every round in one call,
 writing the same K/V), since a small draft's rounds are mostly the framework's time.
 """
@@ -35,7 +35,11 @@ import torch
 
 from sluice.engine.model_runner import ModelRunner, ModelSlice, PagedModel
 from sluice.engine.models.decode import DecodeRounds
-from sluice.engine.models.native_draft import MAX_NATIVE_CATCH_UP_TOKENS, NativeGreedyDraft
+from sluice.engine.models.native_draft import (
+    MAX_NATIVE_CATCH_UP_TOKENS,
+    MAX_NATIVE_DRAFT_SEQUENCES,
+    NativeGreedyDraft,
+)
 from sluice.engine.sampler import filter_logits
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.sequence import Sequence
@@ -168,6 +172,7 @@ class DraftModelProposer:
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         if (
             self._native is not None
+            and len(requests) <= MAX_NATIVE_DRAFT_SEQUENCES
             and all(request.params.greedy for request in requests)
             and all(len(s.token_ids) <= MAX_NATIVE_CATCH_UP_TOKENS for s in slices)
         ):

@@ -1,7 +1,7 @@
 """Greedy drafting by a GPT-2 draft model in C (``gpt2_draft.c``): every round of a step in
-one call, for a float32 draft on the CPU (its LM head read in float16 where the CPU converts
-it, F16C: a draft's tokens are proposals the target verifies, so this changes how many are
-accepted, never the output).
+one call, for a float32 draft on the CPU (its matrices and LM head read in float16 where the
+CPU converts it, F16C: a draft's tokens are proposals the target verifies, so this changes
+how many are accepted, never the output).
 
 :class:`~sluice.engine.proposer.DraftModelProposer` asks :meth:`NativeGreedyDraft.for_model`
 once; when it gives a drafter, steps whose requests are all greedy and whose catch-ups are
@@ -25,11 +25,15 @@ from sluice.engine.models.native_attention import NativeAttentionError
 from sluice.engine.models.native_build import load_kernel
 from sluice.engine.models.step import StepError
 
-__all__ = ["MAX_NATIVE_CATCH_UP_TOKENS", "NativeGreedyDraft"]
+__all__ = ["MAX_NATIVE_CATCH_UP_TOKENS", "MAX_NATIVE_DRAFT_SEQUENCES", "NativeGreedyDraft"]
 
 # A catch-up longer than this (a sequence's first draft, after its prompt) runs as one torch
 # forward over the chunk: the C rounds take its tokens one at a time.
 MAX_NATIVE_CATCH_UP_TOKENS = 8
+# The C rounds run each sequence on its own, reading the draft's weights once a token and
+# sequence; torch's batched rounds read them once a round for all. Past a few sequences
+# the batched rounds cost less (bundled draft, one thread: about even at 4).
+MAX_NATIVE_DRAFT_SEQUENCES = 4
 
 _BAD_BLOCK, _NO_MEMORY = 1, 4  # as in paged_attention.c
 _LAYER_FIELDS = (
@@ -64,6 +68,12 @@ _LAYER_PARAMETERS = (
     "mlp.c_fc.bias",
     "mlp.c_proj.weight",
     "mlp.c_proj.bias",
+)
+
+
+# The block's matrices, which the kernel reads in float16 where the CPU converts it (F16C).
+_MATRICES = frozenset(
+    ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 )
 
 
@@ -108,9 +118,9 @@ class NativeGreedyDraft:
         self._function = library.sluice_gpt2_draft_f32
         self._function.argtypes = (ctypes.POINTER(_Args),)
         self._function.restype = ctypes.c_int
-        half_head = library.sluice_gpt2_draft_half_head
-        half_head.restype = ctypes.c_int
-        self._head_dtype = torch.float16 if half_head() else torch.float32
+        half_weights = library.sluice_gpt2_draft_half_weights
+        half_weights.restype = ctypes.c_int
+        self._weight_dtype = torch.float16 if half_weights() else torch.float32
         self._model = model
         self._kv_cache = kv_cache
         self._layer_key: tuple[tuple[int, int, int], ...] = ()
@@ -118,6 +128,7 @@ class NativeGreedyDraft:
         self._head_source: torch.Tensor | None = None
         self._head_version = 0
         self._half: torch.Tensor | None = None
+        self._matrices: list[torch.Tensor] = []  # what _layer_array points into
 
     @classmethod
     def for_model(cls, model: object, kv_cache: KVCache) -> NativeGreedyDraft | None:
@@ -141,16 +152,21 @@ class NativeGreedyDraft:
         if self._layer_array is not None and key == self._layer_key:
             return self._layer_array
         layers = (_Layer * model.config.n_layer)()
+        matrices: list[torch.Tensor] = []
         for index, block in enumerate(model.transformer.h):
             named = dict(block.named_parameters())
-            tensors = (
-                *(named[name] for name in _LAYER_PARAMETERS),
-                cache.flat_k[index],
-                cache.flat_v[index],
-            )
+            tensors = []
+            for name in _LAYER_PARAMETERS:
+                tensor = named[name].detach()
+                if name in _MATRICES:  # read in the kernel's weight precision
+                    tensor = tensor.to(self._weight_dtype).contiguous()
+                    matrices.append(tensor)
+                tensors.append(tensor)
+            tensors += [cache.flat_k[index], cache.flat_v[index]]
             if not all(t.is_contiguous() for t in tensors):
                 raise StepError("the draft's parameters must be contiguous")
             layers[index] = _Layer(*(t.data_ptr() for t in tensors))
+        self._matrices = matrices
         self._layer_key, self._layer_array = key, layers
         return layers
 
@@ -159,7 +175,7 @@ class NativeGreedyDraft:
         it so (a CPU with F16C): made again when the head's weight changes."""
         head = self._model.transposed_head()
         if self._head_source is not head or self._head_version != head._version:
-            self._half = head.to(self._head_dtype).contiguous()
+            self._half = head.to(self._weight_dtype).contiguous()
             self._head_source, self._head_version = head, head._version
         assert self._half is not None
         return self._half
