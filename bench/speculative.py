@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     parser.add_argument("--output", type=int, default=128, help="output tokens (sluice-tiny)")
     parser.add_argument("--smol-output", type=int, default=24, help="output tokens (SmolLM2)")
-    parser.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    parser.add_argument("--k", type=int, default=6, help="--num-speculative-tokens")
     parser.add_argument("--no-smol", action="store_true", help="skip SmolLM2-135M")
     args = parser.parse_args(argv)
     concurrencies = [1, 4, 16, 64]

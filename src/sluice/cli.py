@@ -273,9 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--num-speculative-tokens",
         type=_count,
-        default=4,
+        default=6,
         metavar="K",
-        help="the most tokens drafted per sequence and step (default 4); the engine picks "
+        help="the most tokens drafted per sequence and step (default 6); the engine picks "
         "0..K each step from the measured acceptance and step costs",
     )
     serve.add_argument(

@@ -54,6 +54,21 @@ def test_adaptive_k_speculates_when_verify_is_cheap_and_drafts_are_accepted() ->
     assert chosen == 4
 
 
+def test_adaptive_k_drafts_at_most_four_in_a_wide_batch_however_well_more_would_do() -> None:
+    costs = {k: 1.0 + 0.1 * k for k in range(7)}
+    narrow, wide = AdaptiveK(6), AdaptiveK(6)
+    for policy in (narrow, wide):
+        for _ in range(50):
+            policy.accepted(6, 6)
+    assert run_policy(narrow, 4, costs, steps=60) == 6
+    chosen = []
+    for _ in range(60):
+        chosen.append(wide.choose(64))
+        wide.observe(64, chosen[-1], costs[chosen[-1]])
+    assert max(chosen) == 4
+    assert wide.choose(64) == 4
+
+
 def test_adaptive_k_turns_off_at_a_batch_where_speculation_costs_more_than_it_yields() -> None:
     policy = AdaptiveK(4)
     for _ in range(50):

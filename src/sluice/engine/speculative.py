@@ -73,6 +73,13 @@ _CLEAR_LOSS = 1.25
 _MAX_EXPLORE_SHARE = 0.05
 # A draft position's acceptance rate before any verify: the draft is worth trying.
 _PRIOR_ACCEPTANCE = 0.6
+# Batches of more decodes than this draft at most _WIDE_MAX_K tokens a sequence. Each k is
+# climbed to and measured before it can be judged, and a wide batch's verify and drafts
+# cost the most: measured on the bundled pair (bench/speculative.py, 2026-12-03), allowing
+# k up to 6 took one stream from 2.0x to 2.4x of no speculation and 4 streams from 0.97-1.22x
+# to 1.16x, but 64 streams from 0.96x to 0.82x.
+_WIDE_BATCH = 4
+_WIDE_MAX_K = 4
 
 
 @dataclass(frozen=True)
@@ -256,7 +263,8 @@ class AdaptiveK:
         bucket = self.bucket(num_decodes)
         scores: dict[int, float] = {}
         step = self._num_steps.get(bucket, 0)
-        for k in range(self.max_k + 1):
+        max_k = self.max_k if bucket <= _WIDE_BATCH else min(self.max_k, _WIDE_MAX_K)
+        for k in range(max_k + 1):
             cost = self._costs.get((bucket, k))
             if cost is None or cost.num_samples < _MIN_COST_SAMPLES:
                 # Climb: a k is first tried when the one below it scores best so far, or
