@@ -98,7 +98,18 @@ class Setup:
     peer: str | None = None  # the --peers name of a serving peer's set-up
 
 
-def start_setup(name: str, logs: Path, stack: contextlib.ExitStack) -> Setup:
+def serve_options(name: str, engine_threads: int | None) -> list[str]:
+    """``sluice serve``'s options for the one-process or ``--engine-process`` set-up."""
+    options = ["--model", str(MODEL)]
+    options += ["--engine-process"] if name == "--engine-process" else [*ONE_PROCESS_OPTIONS]
+    if engine_threads is not None:
+        options += ["--engine-threads", str(engine_threads)]
+    return options
+
+
+def start_setup(
+    name: str, logs: Path, stack: contextlib.ExitStack, engine_threads: int | None = None
+) -> Setup:
     port = free_port()
     log = logs / f"{name.strip('-').replace(' ', '-')}.log"
     pids: list[int] = []
@@ -110,10 +121,8 @@ def start_setup(name: str, logs: Path, stack: contextlib.ExitStack) -> Setup:
         paths.append(worker.log_path)
         options = ["--no-model", "--worker", f"grpc://{HOST}:{worker.port}"]
         options += ["--worker-connect-timeout", "180"]
-    elif name == "--engine-process":
-        options = ["--model", str(MODEL), "--engine-process"]
     else:
-        options = ["--model", str(MODEL), *ONE_PROCESS_OPTIONS]
+        options = serve_options(name, engine_threads)
     command = serve_command(port, *options)
     server = ServerProcess(name, command, port, "/readyz", log, ready_timeout_s=240, cwd=REPO)
     stack.enter_context(server)
@@ -285,6 +294,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="seconds to wait, at most, before each measurement for the other jobs on the "
         "machine to go quiet (default 30; 0 with --quick)",
     )
+    parser.add_argument(
+        "--engine-threads",
+        type=int,
+        default=None,
+        help="sluice serve's --engine-threads for the one-process and --engine-process "
+        "set-ups (default: its own, the cores but one)",
+    )
     parser.add_argument("--peers-dir", type=Path, default=PEERS_DIR, help=argparse.SUPPRESS)
     parser.add_argument("--engine-alone", nargs=3, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -324,7 +340,11 @@ def main(argv: list[str] | None = None) -> int:
     problems: list[str] = []
     missing: dict[str, str] = {}  # peer set-up -> why it did not run (not installed: no problem)
     with contextlib.ExitStack() as stack:
-        setups = [start_setup(name, logs, stack) for name in names if name != ENGINE_ALONE]
+        setups = [
+            start_setup(name, logs, stack, args.engine_threads)
+            for name in names
+            if name != ENGINE_ALONE
+        ]
         for peer in args.peers:
             started = start_peer(peer, logs, stack, args.peers_dir)
             if isinstance(started, Setup):

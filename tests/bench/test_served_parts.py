@@ -87,6 +87,14 @@ def test_peers_are_parsed_and_quick_keeps_its_sizes() -> None:
     assert served_throughput.parse_args([]).peers == []
 
 
+def test_engine_threads_reach_the_sluice_serve_set_ups_only() -> None:
+    assert served_throughput.parse_args([]).engine_threads is None
+    assert served_throughput.parse_args(["--engine-threads", "2"]).engine_threads == 2
+    options = served_throughput.serve_options("--engine-process", 2)
+    assert options[-2:] == ["--engine-threads", "2"]
+    assert "--engine-threads" not in served_throughput.serve_options("one process", None)
+
+
 def test_missing_peer_is_a_reason_and_starts_nothing(tmp_path: Path) -> None:
     with contextlib.ExitStack() as stack:
         started = served_throughput.start_peer("vllm", tmp_path, stack, tmp_path / "none")
