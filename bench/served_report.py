@@ -3,8 +3,8 @@ within a run, the issue's served targets against the serving peers, greedy diffe
 
 The targets (issue 15, "served over HTTP"): 64 concurrent streams, Sluice >= 1.0x vLLM CPU's
 server; 1 at a time, Sluice >= 0.5x llama.cpp's ``llama-server``. Each is judged twice: for
-Sluice's default set-up (``sluice serve --model``: one process) and for its best served
-set-up at that level (the highest median output tokens/s). A ratio is the median over runs
+Sluice's default set-up (``sluice serve --model``: the engine in a child process) and for
+its best served set-up at that level (the highest median output tokens/s). A ratio is the median over runs
 of the ratio within a run: the set-ups take turns, so a busy minute of a shared machine
 falls on both sides of it. A verdict made while other jobs used more than
 ``MAX_QUIET_CORES`` in any of its runs says so: llama.cpp's spinning threads lose far more
@@ -39,7 +39,8 @@ __all__ = [
 ]
 
 ENGINE_ALONE = "engine alone"
-DEFAULT_SETUP = "one process"  # what `sluice serve --model` runs
+DEFAULT_SETUP = "--engine-process"  # what `sluice serve --model` runs (since 2026-12-03)
+BASE_SETUP = "one process"  # the ratio column: the engine on a thread of the server
 SLUICE_SERVED = ("one process", "two processes", "--engine-process")
 # (peer set-up, concurrent streams) -> the least Sluice / peer output tokens/s asked for.
 TARGETS: dict[tuple[str, int], float] = {("vLLM serve", 64): 1.0, ("llama-server", 1): 0.5}
@@ -157,7 +158,7 @@ def render(
     the targets."""
     missing = missing or {}
     reference = names[0]
-    base = DEFAULT_SETUP if DEFAULT_SETUP in names else reference
+    base = BASE_SETUP if BASE_SETUP in names else reference
     ratio_columns = [n for n in (base, ENGINE_ALONE, *peers) if n in names]
     lines = [
         "| streams | set-up | output tok/s (median) | runs | TTFT p50 (ms) | CPU per token (ms) "

@@ -295,11 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--engine-process",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=True,
         help="run the embedded engine in a child process of its own (started with the "
         "server, stopped with it, started again if it dies), so that its steps and the "
         "server's event loop do not share one interpreter's lock; the model, placement, "
-        "KV-cache and speculation options apply to it as they are",
+        "KV-cache and speculation options apply to it as they are (default on; "
+        "--no-engine-process keeps the engine on a thread of the server)",
     )
     serve.add_argument(
         "--heartbeat-interval",

@@ -232,9 +232,9 @@ def test_targets_are_judged_for_the_default_and_the_best_set_up() -> None:
     peers = ["vLLM serve", "llama-server"]
     report = served_report.render(results, [*sluice, *peers], [1, 64], peers)
     assert target_rows(report.lines) == [
-        ["64 concurrent >= 1.0x vLLM serve", "one process (default)", "0.90x", "**MISS**"],
+        ["64 concurrent >= 1.0x vLLM serve", "--engine-process (default)", "1.20x", "**PASS**"],
         ["64 concurrent >= 1.0x vLLM serve", "--engine-process (best at 64)", "1.20x", "**PASS**"],
-        ["1 at a time >= 0.5x llama-server", "one process (default)", "0.30x", "**MISS**"],
+        ["1 at a time >= 0.5x llama-server", "--engine-process (default)", "0.40x", "**MISS**"],
         ["1 at a time >= 0.5x llama-server", "--engine-process (best at 1)", "0.40x", "**MISS**"],
     ]
     assert report.problems == []
@@ -242,18 +242,19 @@ def test_targets_are_judged_for_the_default_and_the_best_set_up() -> None:
 
 
 def test_verdict_made_while_the_machine_was_busy_says_so() -> None:
-    results, _ = results_of(one_1=[300.0], llama_1=[500.0])
+    results, _ = results_of(split_1=[300.0], llama_1=[500.0])
     results["llama-server", 1].other_cores = [0.93]
-    report = served_report.render(results, ["one process", "llama-server"], [1], ["llama-server"])
+    names = ["--engine-process", "llama-server"]
+    report = served_report.render(results, names, [1], ["llama-server"])
     verdicts = [row[3] for row in target_rows(report.lines)]
     assert verdicts[2:] == ["**PASS** (machine busy: other jobs 0.93 cores)"] * 2
 
 
 def test_missing_or_short_peer_gets_no_figure_and_no_verdict() -> None:
-    results, _ = results_of(one_1=[300.0], one_64=[900.0], llama_1=[9.0], llama_64=[9.0])
+    results, _ = results_of(split_1=[300.0], split_64=[900.0], llama_1=[9.0], llama_64=[9.0])
     results["llama-server", 1].num_short = 2
     missing = {"vLLM serve": "not installed (run scripts/install_peers.sh)"}
-    report = served_report.render(results, ["one process", "llama-server"], [1, 64],
+    report = served_report.render(results, ["--engine-process", "llama-server"], [1, 64],
                                   ["llama-server"], missing)  # fmt: skip
     verdicts = [row[3] for row in target_rows(report.lines)]
     assert verdicts[:2] == ["n/a: vLLM serve not installed (run scripts/install_peers.sh)"] * 2
