@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from sluice.engine.kv_cache import KVCache
-from sluice.engine.models.native_attention import NativeAttentionError, load_native_attention
-from sluice.engine.models.native_build import build_kernel
+from sluice.engine.models.native_attention import load_native_attention
+from sluice.engine.models.native_build import NativeKernelError, build_kernel
 from sluice.engine.models.step import (
     MAX_NATIVE_QUERY_TOKENS,
     StepLayout,
@@ -159,7 +159,7 @@ def test_keys_past_a_rows_context_are_never_read(monkeypatch: pytest.MonkeyPatch
 def test_a_block_outside_the_cache_is_refused_not_read() -> None:
     cache = make_cache(num_kv_heads=2, head_dim=32)
     layout = StepLayout.of([StepSequence(0, 1, 6, [3, NUM_BLOCKS + 10])], torch.tensor([5]), cache)
-    with pytest.raises(NativeAttentionError, match="outside"):
+    with pytest.raises(NativeKernelError, match="outside"):
         paged_attention(torch.randn(1, 2, 32), layout, cache, 0)
 
 

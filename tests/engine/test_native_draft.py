@@ -17,7 +17,7 @@ from sluice.engine.kv_cache import KVCache
 from sluice.engine.model_runner import ModelRunner, ModelSlice
 from sluice.engine.models import GPT2Config, GPT2LMHeadModel, StepError
 from sluice.engine.models.decode import DecodeRounds
-from sluice.engine.models.native_attention import NativeAttentionError
+from sluice.engine.models.native_build import NativeKernelError
 from sluice.engine.models.native_draft import NativeGreedyDraft
 from tests.engine.tiny_models import varied_gpt2
 
@@ -140,7 +140,7 @@ def test_a_block_outside_the_cache_is_refused_not_written(model: GPT2LMHeadModel
     drafter = NativeGreedyDraft.for_model(model, runner.kv_cache)
     assert drafter is not None
     before = [flat.clone() for flat in runner.kv_cache.flat_k]
-    with pytest.raises(NativeAttentionError, match="outside"):
+    with pytest.raises(NativeKernelError, match="outside"):
         drafter.draft([[1, 2]], [0], [2], [[NUM_BLOCKS + 5]])
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_cache.flat_k, strict=True))
 

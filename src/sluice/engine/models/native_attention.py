@@ -20,20 +20,13 @@ from dataclasses import dataclass, field
 import torch
 
 from sluice.engine.kv_cache import KVCache
-from sluice.engine.models.native_build import load_kernel
+from sluice.engine.models.native_build import NativeKernelError, check_status, load_kernel
 
 __all__ = [
     "NativeAttention",
-    "NativeAttentionError",
     "NativeGroup",
     "load_native_attention",
 ]
-
-_BAD_BLOCK, _NO_MEMORY = 1, 4  # paged_attention.c: SLUICE_BAD_SHAPE is 2
-
-
-class NativeAttentionError(ValueError):
-    """The kernel refused a call: a block id outside the cache, or sizes that do not fit."""
 
 
 class _Args(ctypes.Structure):
@@ -69,19 +62,16 @@ class NativeAttention:
 
     def call(self, args: _Args) -> None:
         """Run the kernel on ``args``; raise what its status says."""
-        status = self._function(ctypes.byref(args))
-        if status == _BAD_BLOCK:
-            raise NativeAttentionError(
-                f"a block table names a block outside [0, {args.num_blocks})"
-            )
-        if status == _NO_MEMORY:
-            raise MemoryError("paged attention: no memory for the scores")
-        if status != 0:
-            raise NativeAttentionError(
+        check_status(
+            self._function(ctypes.byref(args)),
+            num_blocks=args.num_blocks,
+            what="paged attention",
+            refused=NativeKernelError(
                 f"paged attention refused {args.num_rows} rows of {args.num_heads} heads "
                 f"({args.num_kv_heads} KV heads) of dim {args.head_dim}, block size "
                 f"{args.block_size}"
-            )
+            ),
+        )
 
 
 @dataclass(frozen=True)

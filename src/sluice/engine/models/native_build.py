@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["build_kernel", "load_kernel"]
+__all__ = ["NativeKernelError", "build_kernel", "check_status", "load_kernel"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,24 @@ _FLAGS = (
     "-fPIC",
 )
 _BUILD_TIMEOUT_S = 120.0
+# The kernels' status bits (paged_attention.c); anything else non-zero: sizes that do not fit.
+_BAD_BLOCK, _NO_MEMORY = 1, 4
+
+
+class NativeKernelError(ValueError):
+    """A kernel refused a call: a block id outside the cache, or sizes that do not fit."""
+
+
+def check_status(status: int, *, num_blocks: int, what: str, refused: Exception) -> None:
+    """Raise what a kernel's ``status`` says (``what`` ran; ``refused`` for sizes that do
+    not fit); nothing for 0."""
+    if status == 0:
+        return
+    if status == _BAD_BLOCK:
+        raise NativeKernelError(f"a block table names a block outside [0, {num_blocks})")
+    if status == _NO_MEMORY:
+        raise MemoryError(f"{what}: no memory for its scratch")
+    raise refused
 
 
 @functools.cache

@@ -21,8 +21,7 @@ import torch
 
 from sluice.engine.kv_cache import KVCache
 from sluice.engine.models.gpt2 import GPT2LMHeadModel
-from sluice.engine.models.native_attention import NativeAttentionError
-from sluice.engine.models.native_build import load_kernel
+from sluice.engine.models.native_build import check_status, load_kernel
 from sluice.engine.models.step import StepError
 
 __all__ = ["MAX_NATIVE_CATCH_UP_TOKENS", "MAX_NATIVE_DRAFT_SEQUENCES", "NativeGreedyDraft"]
@@ -35,7 +34,6 @@ MAX_NATIVE_CATCH_UP_TOKENS = 8
 # the batched rounds cost less (bundled draft, one thread: about even at 4).
 MAX_NATIVE_DRAFT_SEQUENCES = 4
 
-_BAD_BLOCK, _NO_MEMORY = 1, 4  # as in paged_attention.c
 _LAYER_FIELDS = (
     "ln_1_weight",
     "ln_1_bias",
@@ -193,7 +191,7 @@ class NativeGreedyDraft:
 
         Raises :class:`~sluice.engine.models.step.StepError` for a draft past the model's
         positions or a block table too short, and
-        :class:`~sluice.engine.models.native_attention.NativeAttentionError` for a block
+        :class:`~sluice.engine.models.native_build.NativeKernelError` for a block
         outside the cache."""
         model, cache = self._model, self._kv_cache
         config = model.config
@@ -244,17 +242,14 @@ class NativeGreedyDraft:
             config.layer_norm_epsilon,
             torch.get_num_threads(),
         )
-        status = self._function(ctypes.byref(args))
-        if status == _BAD_BLOCK:
-            raise NativeAttentionError(
-                f"a block table names a block outside [0, {cache.num_blocks})"
-            )
-        if status == _NO_MEMORY:
-            raise MemoryError("greedy draft: no memory for its scratch")
-        if status != 0:
-            raise StepError(
+        check_status(
+            self._function(ctypes.byref(args)),
+            num_blocks=cache.num_blocks,
+            what="greedy draft",
+            refused=StepError(
                 f"greedy draft refused: positions {list(first_positions)}, catch-ups of "
                 f"{[len(t) for t in catch_up]}, drafts {list(num_drafts)}, "
                 f"{config.n_positions} positions, tables of {max_blocks} blocks"
-            )
+            ),
+        )
         return [row[:count] for row, count in zip(drafts.tolist(), num_drafts, strict=True)]

@@ -361,13 +361,24 @@ def paged_attention(
             num_tokens, num_heads * head_dim
         )
     out = torch.empty_like(q)
-    for attention_group in layout.groups:
+    attend_groups(q, layout.groups, out, kv_cache, layer)
+    return out.reshape(num_tokens, num_heads * head_dim)
+
+
+def attend_groups(
+    q: torch.Tensor,
+    groups: Sequence[AttentionGroup],
+    out: torch.Tensor,
+    kv_cache: KVCache,
+    layer: int,
+) -> None:
+    """Write each group's attention to its rows of ``out`` (``[num_tokens, heads, dim]``)."""
+    for attention_group in groups:
         attended = attend_group(q, attention_group, kv_cache, layer)
         if attention_group.valid is not None:
             attended = attended[attention_group.valid]
         assert attention_group.out_rows is not None
         out.index_copy_(0, attention_group.out_rows, attended)
-    return out.reshape(num_tokens, num_heads * head_dim)
 
 
 def native_attention(
@@ -380,10 +391,5 @@ def native_attention(
     query = q if q.dtype is torch.float32 else q.float()
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=torch.float32)
     layout.native.attend(query, out, kv_cache, layer)
-    for attention_group in layout.groups:
-        attended = attend_group(query, attention_group, kv_cache, layer)
-        if attention_group.valid is not None:
-            attended = attended[attention_group.valid]
-        assert attention_group.out_rows is not None
-        out.index_copy_(0, attention_group.out_rows, attended)
+    attend_groups(query, layout.groups, out, kv_cache, layer)
     return out.view(num_tokens, num_heads * head_dim).to(q.dtype)
