@@ -15,7 +15,7 @@ tokens, the same torch thread count for everyone):
 4. ours, one sequence: the same engine, built once and reused, given the ``--sequential``
    requests one at a time (the figure to put beside HF sequential and llama.cpp).
 5. abort-to-free: the engine under its :class:`~sluice.engine.driver.AsyncEngine` driver,
-   all requests decoding; ``--aborts`` requests are aborted at random moments and the time
+   all requests decoding; ``--aborts`` requests are aborted 0-3 steps apart and the time
    from ``abort()`` to its reply (blocks free) is compared with the step time.
 
 The issue's targets: ours >= 3x HF sequential and >= 1.5x HF static batch; abort-to-free
@@ -303,9 +303,14 @@ def run_hf(
 async def run_aborts(
     checkpoint: Checkpoint, prompts: list[list[int]], args: argparse.Namespace
 ) -> AbortRun:
-    """Abort requests of a busy engine at random moments; time each abort's reply."""
+    """Abort requests of a busy engine 0-3 steps apart; time each abort's reply."""
     engine = make_engine(checkpoint, args)
-    params = SamplingParams(max_tokens=args.output, temperature=0, ignore_eos=True)
+    # Room to the model's last position: the aborts take at most 4 steps each, fewer
+    # than that room, so every request is still running when its abort comes.
+    room = engine.config.max_model_len - max(len(p) for p in prompts)
+    if 4 * min(args.aborts, len(prompts)) >= room:
+        raise SystemExit(f"--aborts {args.aborts} need {4 * args.aborts} steps; room for {room}")
+    params = SamplingParams(max_tokens=room, temperature=0, ignore_eos=True)
     rng = random.Random(args.seed)
     latencies: list[float] = []
     steps_between: list[int] = []
@@ -315,7 +320,8 @@ async def run_aborts(
             await anext(stream)  # every request has its first token: all are decoding
         start_steps, start = engine.num_steps, time.perf_counter()
         for stream in rng.sample(streams, min(args.aborts, len(streams))):
-            await asyncio.sleep(rng.uniform(0, 0.05))
+            for _ in range(rng.randint(0, 3)):  # 0-3 steps on: moments the engine sets
+                await driver.call(lambda e: None)
             steps_sent = engine.num_steps
             t0 = time.perf_counter()
             assert await driver.abort(stream.request_id)
