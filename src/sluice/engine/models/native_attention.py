@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -126,16 +125,14 @@ class NativeGroup:
 def load_native_attention(kv_cache: KVCache | None = None) -> NativeAttention | None:
     """The kernel, built if need be; None when it is turned off, cannot be built, or does
     not fit ``kv_cache`` (which must be float32 on the CPU)."""
-    if os.environ.get("SLUICE_NATIVE_KERNELS", "1") == "0":
-        return None
     if kv_cache is not None:
         flat_k = kv_cache.flat_k[0]
         if flat_k.device.type != "cpu" or flat_k.dtype is not torch.float32:
             return None
-    return _load()
+    library = load_kernel("paged_attention")
+    return None if library is None else _attention(library)
 
 
 @functools.cache
-def _load() -> NativeAttention | None:
-    library = load_kernel("paged_attention")
-    return None if library is None else NativeAttention(library)
+def _attention(library: ctypes.CDLL) -> NativeAttention:
+    return NativeAttention(library)

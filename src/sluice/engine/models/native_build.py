@@ -61,10 +61,17 @@ def check_status(status: int, *, num_blocks: int, what: str, refused: Exception)
     raise refused
 
 
-@functools.cache
 def load_kernel(name: str) -> ctypes.CDLL | None:
-    """The kernel ``name`` (``name.c`` beside this module), built if need be; None when it
+    """The kernel ``name`` (``name.c`` beside this module), built if need be; None when
+    ``SLUICE_NATIVE_KERNELS=0`` turns the kernels off (read on every call), or when it
     cannot be built or loaded (logged once)."""
+    if os.environ.get("SLUICE_NATIVE_KERNELS", "1") == "0":
+        return None
+    return _built_kernel(name)
+
+
+@functools.cache
+def _built_kernel(name: str) -> ctypes.CDLL | None:
     cache_dir = Path(
         os.environ.get("SLUICE_KERNEL_CACHE") or Path.home() / ".cache" / "sluice" / "kernels"
     )

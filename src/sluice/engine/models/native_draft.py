@@ -14,7 +14,6 @@ stale) and writes K/V to the draft's own paged cache exactly where the torch rou
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Sequence
 
 import torch
@@ -125,15 +124,13 @@ class NativeGreedyDraft:
         self._layer_array: ctypes.Array[_Layer] | None = None
         self._head_source: torch.Tensor | None = None
         self._head_version = 0
-        self._half: torch.Tensor | None = None
+        self._head: torch.Tensor | None = None
         self._matrices: list[torch.Tensor] = []  # what _layer_array points into
 
     @classmethod
     def for_model(cls, model: object, kv_cache: KVCache) -> NativeGreedyDraft | None:
         """A drafter for ``model``, or None: not a float32 CPU GPT-2 with a float32 CPU
         cache, kernels turned off, or no compiler."""
-        if os.environ.get("SLUICE_NATIVE_KERNELS", "1") == "0":
-            return None
         if not isinstance(model, GPT2LMHeadModel):
             return None
         tensors = [*model.parameters(), kv_cache.flat_k[0]]
@@ -168,15 +165,16 @@ class NativeGreedyDraft:
         self._layer_key, self._layer_array = key, layers
         return layers
 
-    def _half_head(self) -> torch.Tensor:
-        """The LM head, transposed (``[hidden, vocab]``), in float16 where the kernel reads
-        it so (a CPU with F16C): made again when the head's weight changes."""
+    def _kernel_head(self) -> torch.Tensor:
+        """The LM head, transposed (``[hidden, vocab]``), in the kernel's weight precision
+        (float16 on a CPU with F16C, else float32): made again when the head's weight
+        changes."""
         head = self._model.transposed_head()
         if self._head_source is not head or self._head_version != head._version:
-            self._half = head.to(self._weight_dtype).contiguous()
+            self._head = head.to(self._weight_dtype).contiguous()
             self._head_source, self._head_version = head, head._version
-        assert self._half is not None
-        return self._half
+        assert self._head is not None
+        return self._head
 
     def draft(
         self,
@@ -214,7 +212,7 @@ class NativeGreedyDraft:
         drafts = torch.zeros((num_seqs, max_drafts), dtype=torch.long)
         transformer = model.transformer
         layers = self._layers()
-        head_t = self._half_head()
+        head_t = self._kernel_head()
         args = _Args(
             layers,
             transformer.wte.weight.data_ptr(),
