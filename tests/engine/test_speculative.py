@@ -102,6 +102,44 @@ def test_adaptive_k_does_not_climb_again_to_a_k_seen_clearly_behind() -> None:
     assert policy.choose(64) == 0
 
 
+def test_adaptive_k_does_not_explore_a_larger_batch_past_what_pays_at_a_smaller_one() -> None:
+    """Speculation that settled off at 16 streams is not tried at 64, where verify and drafts
+    cost more against a plain decode; whatever the costs there would have been."""
+    policy = AdaptiveK(4, explore_every=8)
+    for _ in range(50):
+        policy.accepted(4, 1)  # position 1 accepted, position 2 never: E(k >= 1) = 2
+    assert run_policy(policy, 16, {0: 1.0, 1: 2.2, 2: 2.8, 3: 3.7, 4: 4.6}, steps=40) == 0
+    chosen = set()
+    for _ in range(100):
+        chosen.add(policy.choose(64))
+        policy.observe(64, 0, 1.0)
+    assert chosen == {0}
+
+
+def test_adaptive_k_climbs_a_larger_batch_at_most_to_the_smaller_ones_best() -> None:
+    policy = AdaptiveK(6, explore_every=8)
+    for _ in range(50):
+        policy.accepted(6, 6)
+    assert run_policy(policy, 4, {0: 1.0, 1: 1.1, 2: 1.2, 3: 3.3, 4: 4.4, 5: 5.5, 6: 6.6}, 40) == 2
+    cheap = {k: 1.0 + 0.05 * k for k in range(7)}  # at 16, more would pay; 2 is the ceiling
+    chosen = []
+    for _ in range(100):
+        chosen.append(policy.choose(16))
+        policy.observe(16, chosen[-1], cheap[chosen[-1]])
+    assert max(chosen) == 2
+    assert policy.choose(16) == 2
+
+
+def test_adaptive_k_takes_no_ceiling_from_a_batch_size_seen_for_a_few_steps() -> None:
+    """A smaller bucket that settled off in fewer than ``explore_every`` steps (a few steps
+    between larger batches: noise) does not keep a larger one from speculating."""
+    policy = AdaptiveK(2, explore_every=64)
+    for _ in range(50):
+        policy.accepted(2, 2)
+    assert run_policy(policy, 16, {0: 1.0, 1: 5.0, 2: 9.0}, steps=10) == 0
+    assert run_policy(policy, 64, {0: 1.0, 1: 1.1, 2: 1.2}, steps=40) == 2
+
+
 def test_adaptive_k_turns_off_when_acceptance_is_low() -> None:
     policy = AdaptiveK(3)
     for _ in range(80):

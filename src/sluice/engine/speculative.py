@@ -11,19 +11,24 @@ occurrence first; the draft is what followed that occurrence.
 
 **Adaptive k** (:class:`AdaptiveK`). Speculation pays when a step's cost grows slower than
 its expected output: with ``a_i`` the measured rate at which draft position ``i`` is
-accepted after positions ``1 .. i - 1`` were, a step of ``k`` yields ``E(k) = 1 + a_1 +
-a_1 a_2 + ...`` tokens per sequence, and costs ``cost(b, k)`` seconds at ``b`` decoding
+accepted after positions ``1 .. i - 1`` were, a step of ``k`` yields ``E(k) = 1 + a_1 + a_1
+a_2 + ...`` tokens per sequence, and costs ``cost(b, k)`` seconds at ``b`` decoding
 sequences (measured online, per power-of-two bucket of ``b``, on steps that ran decodes
 only: the fastest of the last 8 that are at most ``explore_every`` of the bucket's steps
 old, else the latest: a step's cost grows with its sequences' context, so a ``k`` measured
-long ago, on shorter contexts, would look cheaper than it is now). Each step takes the
-``k`` (0: off) of the highest ``E(k) / cost(b, k)``. A bucket
-climbs: ``k + 1`` is first tried when ``k`` scores best so far, or less than 25% behind
-the best (a step's fixed costs can make ``k = 1`` lose where ``k = 3`` wins), so a large
-batch where speculation costs more than it yields stays near 0; a larger ``k`` must score 5% better
-than a smaller one. ``explore_every`` steps after the best last changed, the less recently
-measured neighbour of the best is tried again (then ever less often while the best holds,
-up to 16 times further apart), so a change of load or acceptance is seen.
+long ago, on shorter contexts, would look cheaper than it is now). Each step takes the ``k``
+(0: off) of the highest ``E(k) / cost(b, k)``. A bucket climbs: ``k + 1`` is first tried
+when ``k`` scores best so far, or less than 25% behind the best (a step's fixed costs can
+make ``k = 1`` lose where ``k = 3`` wins), so a large batch where speculation costs more
+than it yields stays near 0; a larger ``k`` must score 5% better than a smaller one.
+``explore_every`` steps after the best last changed, the less recently measured neighbour of
+the best is tried again (then ever less often while the best holds, up to 16 times further
+apart), so a change of load or acceptance is seen. A bucket neither climbs nor explores past
+the ``k`` that scores best at the nearest smaller bucket that has finished its climb over at
+least ``explore_every`` steps: drafts and verify cost more against a plain decode the more
+sequences a step holds, so what does not pay at 16 streams does not pay at 64 (measured on
+the bundled pair, a bucket of 64 learning that on its own cost its first 128-token batch
+16%).
 
 A draft model that did not run for a while catches up on every token since in its next
 step (new sequences: on their prompts), a one-off cost that is not a step cost (not a
@@ -239,6 +244,9 @@ class AdaptiveK:
         self._next_explore: dict[int, int] = {}  # per bucket, the step to explore at
         self._backoff: dict[int, int] = {}  # per bucket, explore_every's multiple now
         self._last_best: dict[int, int] = {}
+        # Per bucket that finished climbing, the k of the highest score (before any switch
+        # cost): the ceiling of every larger bucket (see _ceiling).
+        self._score_best: dict[int, int] = {}
         # The extra cost per token of the last few catch-ups (their minimum is the estimate).
         self._catch_up_costs: deque[float] = deque(maxlen=_NUM_RECENT_COSTS)
 
@@ -264,6 +272,7 @@ class AdaptiveK:
         scores: dict[int, float] = {}
         step = self._num_steps.get(bucket, 0)
         max_k = self.max_k if bucket <= _WIDE_BATCH else min(self.max_k, _WIDE_MAX_K)
+        max_k = min(max_k, self._ceiling(bucket))
         for k in range(max_k + 1):
             cost = self._costs.get((bucket, k))
             if cost is None or cost.num_samples < _MIN_COST_SAMPLES:
@@ -285,6 +294,7 @@ class AdaptiveK:
         for k in sorted(scores):
             if scores[k] > scores[best] * _MARGIN:
                 best = k
+        self._score_best[bucket] = best
         # The catch-up, in the bucket's per-sequence terms as the costs are.
         per_token_s = min(self._catch_up_costs, default=0.0)
         catch_up_s = per_token_s * num_behind / num_decodes * bucket
@@ -316,6 +326,21 @@ class AdaptiveK:
             if neighbours:
                 return min(neighbours, key=lambda k: self._costs[bucket, k].last_step)
         return best
+
+    def _ceiling(self, bucket: int) -> int:
+        """The most ``k`` worth a look at ``bucket``: what scores best at the nearest smaller
+        bucket that finished climbing over at least ``explore_every`` steps (``max_k`` when
+        none has; a bucket seen for a few steps, between larger batches, may have judged
+        on noise). A step's verify and drafts cost more against a plain decode the more
+        sequences it holds, so a ``k`` that does not pay at a smaller batch does not pay at
+        a larger one, and is not explored there."""
+        smaller = bucket >> 1
+        while smaller:
+            seen = self._num_steps.get(smaller, 0) >= self._explore_every
+            if seen and smaller in self._score_best:
+                return self._score_best[smaller]
+            smaller >>= 1
+        return self.max_k
 
     def _pays_to_switch(self, bucket: int, k: int, step: int, catch_up_s: float) -> bool:
         """Whether ``k``'s saving over ``explore_every`` steps, against no speculation, pays
