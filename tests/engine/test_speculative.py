@@ -48,7 +48,7 @@ def run_policy(policy: AdaptiveK, num_decodes: int, cost_s: dict[int, float], st
 
 def test_adaptive_k_speculates_when_verify_is_cheap_and_drafts_are_accepted() -> None:
     policy = AdaptiveK(4)
-    for _ in range(50):
+    for _ in range(500):
         policy.accepted(4, 4)
     chosen = run_policy(policy, 1, {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3, 4: 1.4}, steps=40)
     assert chosen == 4
@@ -58,7 +58,7 @@ def test_adaptive_k_drafts_at_most_four_in_a_wide_batch_however_well_more_would_
     costs = {k: 1.0 + 0.1 * k for k in range(7)}
     narrow, wide = AdaptiveK(6), AdaptiveK(6)
     for policy in (narrow, wide):
-        for _ in range(50):
+        for _ in range(500):
             policy.accepted(6, 6)
     assert run_policy(narrow, 4, costs, steps=60) == 6
     chosen = []
@@ -71,7 +71,7 @@ def test_adaptive_k_drafts_at_most_four_in_a_wide_batch_however_well_more_would_
 
 def test_adaptive_k_turns_off_at_a_batch_where_speculation_costs_more_than_it_yields() -> None:
     policy = AdaptiveK(4)
-    for _ in range(50):
+    for _ in range(500):
         policy.accepted(2, 1)  # position 1 mostly accepted, position 2 never
     costs = {0: 1.0, 1: 2.2, 2: 2.8, 3: 3.7, 4: 4.6}
     assert run_policy(policy, 64, costs, steps=40) == 0
@@ -82,7 +82,7 @@ def test_adaptive_k_climbs_past_a_k_that_loses_narrowly_to_one_that_wins() -> No
     """A step's fixed costs (the verify's layout, the draft's catch-up) make k=1 lose to
     no speculation by 10% where k=3 wins by 20%: the climb goes on past k=1."""
     policy = AdaptiveK(3)
-    for _ in range(80):
+    for _ in range(800):
         policy.accepted(3, 3 if _ % 5 else 0)  # about 0.8 at each position
     costs = {0: 1.0, 1: 2.0, 2: 2.2, 3: 2.4}
     assert run_policy(policy, 1, costs, steps=40) == 3
@@ -92,21 +92,21 @@ def test_adaptive_k_does_not_climb_again_to_a_k_seen_clearly_behind() -> None:
     """A k with fewer samples than a measurement takes but already far behind the best is
     not tried again on every step that the one below it comes close."""
     policy = AdaptiveK(2)
-    for _ in range(50):
+    for _ in range(500):
         policy.accepted(2, 1)  # position 1 accepted, position 2 never: E(1) = E(2) = 2
+    for _ in range(4):  # the first of each a warm-up
+        policy.observe(4, 0, 1.0)
+        policy.observe(4, 1, 2.2)  # 10% behind k=0: a narrow batch climbs on
     for _ in range(3):
-        policy.observe(64, 0, 1.0)
-        policy.observe(64, 1, 2.2)  # 10% behind k=0
-    for _ in range(2):
-        policy.observe(64, 2, 5.0)  # far behind, 2 samples of 3
-    assert policy.choose(64) == 0
+        policy.observe(4, 2, 5.0)  # far behind, 2 samples of 3
+    assert policy.choose(4) == 0
 
 
 def test_adaptive_k_does_not_explore_a_larger_batch_past_what_pays_at_a_smaller_one() -> None:
     """Speculation that settled off at 16 streams is not tried at 64, where verify and drafts
     cost more against a plain decode; whatever the costs there would have been."""
     policy = AdaptiveK(4, explore_every=8)
-    for _ in range(50):
+    for _ in range(500):
         policy.accepted(4, 1)  # position 1 accepted, position 2 never: E(k >= 1) = 2
     assert run_policy(policy, 16, {0: 1.0, 1: 2.2, 2: 2.8, 3: 3.7, 4: 4.6}, steps=40) == 0
     chosen = set()
@@ -118,7 +118,7 @@ def test_adaptive_k_does_not_explore_a_larger_batch_past_what_pays_at_a_smaller_
 
 def test_adaptive_k_climbs_a_larger_batch_at_most_to_the_smaller_ones_best() -> None:
     policy = AdaptiveK(6, explore_every=8)
-    for _ in range(50):
+    for _ in range(500):
         policy.accepted(6, 6)
     assert run_policy(policy, 4, {0: 1.0, 1: 1.1, 2: 1.2, 3: 3.3, 4: 4.4, 5: 5.5, 6: 6.6}, 40) == 2
     cheap = {k: 1.0 + 0.05 * k for k in range(7)}  # at 16, more would pay; 2 is the ceiling
@@ -134,15 +134,88 @@ def test_adaptive_k_takes_no_ceiling_from_a_batch_size_seen_for_a_few_steps() ->
     """A smaller bucket that settled off in fewer than ``explore_every`` steps (a few steps
     between larger batches: noise) does not keep a larger one from speculating."""
     policy = AdaptiveK(2, explore_every=64)
-    for _ in range(50):
+    for _ in range(500):
         policy.accepted(2, 2)
     assert run_policy(policy, 16, {0: 1.0, 1: 5.0, 2: 9.0}, steps=10) == 0
     assert run_policy(policy, 64, {0: 1.0, 1: 1.1, 2: 1.2}, steps=40) == 2
 
 
+def test_adaptive_k_takes_no_cost_from_the_first_step_at_a_k() -> None:
+    """The first step of a batch size and k runs new shapes, and pays one-off costs (twice
+    a step, measured on the bundled pair): it does not make that k look clearly behind, and
+    the climb goes on."""
+    policy = AdaptiveK(2)
+    for _ in range(500):
+        policy.accepted(2, 2)  # E(1) = 2, E(2) = 3
+    for _ in range(4):
+        policy.observe(4, 0, 1.0)
+    assert policy.choose(4) == 1
+    policy.observe(4, 1, 4.0)  # cold: alone, four times k=0 for twice its tokens
+    assert policy.choose(4) == 1
+    for _ in range(3):
+        policy.observe(4, 1, 1.2)
+    assert policy.choose(4) == 2
+
+
+def test_adaptive_k_does_not_climb_past_a_losing_k_in_a_wide_batch() -> None:
+    """In a batch of more than four decodes each drafted token costs about as much as the
+    last: a k that loses to the one below it is not followed by a larger one."""
+    policy = AdaptiveK(2)
+    for _ in range(500):
+        policy.accepted(2, 2)  # E(1) = 2, E(2) = 3
+    for _ in range(4):
+        policy.observe(16, 0, 1.0)
+        policy.observe(16, 1, 2.1)  # 5% behind k=0
+    assert [policy.choose(16) for _ in range(3)] == [0, 0, 0]
+
+
+def test_adaptive_k_looks_at_a_neighbour_for_a_measurement_not_one_step() -> None:
+    """A look at a neighbour of the best k takes three steady steps, like its first
+    measurement: a single slow step (the machine busy) does not settle it."""
+    policy = AdaptiveK(1, explore_every=8)
+    for _ in range(500):
+        policy.accepted(1, 1 if _ % 4 else 0)  # E(1) = 1.75
+    assert run_policy(policy, 4, {0: 1.0, 1: 2.0}, steps=40) == 0
+    chosen = [policy.choose(4)]
+    while chosen[-1] == 0:
+        policy.observe(4, 0, 1.0)
+        chosen.append(policy.choose(4))
+    for seconds in (3.0, 1.5, 1.5):  # the look: now k=1 pays, but its first step was slow
+        policy.observe(4, 1, seconds)
+        chosen.append(policy.choose(4))
+    assert chosen[-4:] == [1, 1, 1, 1]
+
+
+def test_adaptive_k_switches_on_in_a_wide_batch_only_when_speculation_clearly_pays() -> None:
+    """Beyond four decodes a k must score 15% better than none: what the score leaves out
+    (sequences finishing steps apart, the draft's catch-up on new prompts) cost more than
+    10% at 16 streams."""
+    for num_decodes, chosen in ((4, 1), (16, 0)):
+        policy = AdaptiveK(1)
+        for _ in range(500):
+            policy.accepted(1, 1)  # E(1) = 2
+        assert run_policy(policy, num_decodes, {0: 1.0, 1: 1.8}, steps=40) == chosen  # +11%
+
+
+def test_adaptive_k_takes_no_k_measured_long_ago_as_the_best() -> None:
+    """Steps grow dearer as contexts grow: a k last measured long ago, on shorter contexts,
+    looks cheaper than the k running now, and is looked at again before it can be the best
+    (here k=0: 1.0 then, and 2.0 for k=1 now, for 1.75 times the tokens)."""
+    policy = AdaptiveK(1, explore_every=8)
+    for _ in range(500):
+        policy.accepted(1, 1 if _ % 4 else 0)  # E(1) = 1.75
+    # k=0 is far behind: looked at once, then next 128 steps on.
+    assert run_policy(policy, 4, {0: 1.0, 1: 1.2}, steps=40) == 1
+    chosen = []
+    for _ in range(60):
+        chosen.append(policy.choose(4))
+        policy.observe(4, chosen[-1], {0: 1.0, 1: 2.0}[chosen[-1]])  # contexts grew
+    assert chosen == [1] * 60
+
+
 def test_adaptive_k_turns_off_when_acceptance_is_low() -> None:
     policy = AdaptiveK(3)
-    for _ in range(80):
+    for _ in range(800):
         policy.accepted(3, 0)
     assert run_policy(policy, 1, {0: 1.0, 1: 1.2, 2: 1.4, 3: 1.6}, steps=40) == 0
 
@@ -151,15 +224,16 @@ def test_adaptive_k_costs_are_the_fastest_recent_steady_steps() -> None:
     """A load spike (a slow k=0 step) or a one-off catch-up (a slow k=1 step, not steady)
     does not make speculation look better or worse than it is."""
     policy = AdaptiveK(1)
-    for _ in range(50):
+    for _ in range(500):
         policy.accepted(1, 0)  # never accepted: k=1 cannot pay
+    policy.observe(1, 0, 5.0)  # the first step: torch's first calls, no sample
     policy.observe(1, 0, 1.0)
     policy.observe(1, 0, 9.0)  # the machine was busy
     policy.observe(1, 0, 1.0)
     assert policy.choose(1) == 1  # k=1 not measured yet: tried
     policy.observe(1, 1, 30.0, steady=False)  # its draft caught up: no sample
     assert policy.choose(1) == 1
-    for _ in range(3):
+    for _ in range(4):  # the first a warm-up
         policy.observe(1, 1, 1.05)
     assert policy.choose(1) == 0
 
@@ -168,11 +242,11 @@ def test_adaptive_k_forgets_costs_measured_on_shorter_contexts() -> None:
     """Steps grow dearer as contexts grow: k=1's cheap early steps, long ago, do not make it
     look cheaper than its recent steps next to k=0's recent ones."""
     policy = AdaptiveK(1, explore_every=16)
-    for _ in range(50):
+    for _ in range(500):
         policy.accepted(1, 1 if _ % 4 else 0)  # three in four accepted: E(1) = 1.75
-    for _ in range(3):
+    for _ in range(4):  # the first a warm-up
         policy.observe(64, 0, 1.0)
-    for _ in range(3):
+    for _ in range(4):
         policy.observe(64, 1, 1.2)  # early, short contexts: k=1 pays
     assert policy.choose(64) == 1
     for _ in range(40):
@@ -187,31 +261,31 @@ def test_adaptive_k_switches_on_only_when_the_saving_pays_for_the_catch_up() -> 
     up first: a k that saves less over explore_every steps than that costs is not switched
     on; one that saves more is, and a draft that is not behind speculates as it scores."""
     policy = AdaptiveK(1, explore_every=16)
-    for _ in range(50):
+    for _ in range(500):
         policy.accepted(1, 1 if _ % 4 else 0)  # E(1) = 1.75
-    for _ in range(3):
+    for _ in range(4):  # the first a warm-up
         policy.observe(64, 0, 1.0)
     # The first k=1 step caught up on 640 tokens: 19 more than a k=0 step, 0.03 a token.
     policy.observe(64, 1, 20.0, steady=False, num_caught_up=640)
-    for _ in range(3):
-        policy.observe(64, 1, 1.6)  # 1.75 tokens for 1.6: saves 0.15 a step
+    for _ in range(4):
+        policy.observe(64, 1, 1.4)  # 1.75 tokens for 1.4: saves 0.35 a step
     assert policy.choose(64) == 1  # caught up
-    assert policy.choose(64, num_behind=640) == 0  # 16 x 0.15 = 2.4 does not pay 19
+    assert policy.choose(64, num_behind=640) == 0  # 16 x 0.35 = 5.6 does not pay 19
     assert policy.choose(64, num_behind=64) == 1  # 1.9 does
-    policy.observe(64, 1, 1.6, steady=False, num_caught_up=70)  # a token or two: not a cost
+    policy.observe(64, 1, 1.4, steady=False, num_caught_up=70)  # a token or two: not a cost
     assert policy.choose(64, num_behind=64) == 1
 
 
 def test_adaptive_k_takes_the_catch_up_pass_time_when_the_proposer_measured_it() -> None:
     policy = AdaptiveK(1, explore_every=16)
-    for _ in range(50):
+    for _ in range(500):
         policy.accepted(1, 1 if _ % 4 else 0)  # E(1) = 1.75
-    for _ in range(3):
+    for _ in range(4):  # the first a warm-up
         policy.observe(64, 0, 1.0)
     # The step took 40 (a load spike), its catch-up pass 6.4 for 640 tokens: 0.01 a token.
     policy.observe(64, 1, 40.0, steady=False, num_caught_up=640, catch_up_s=6.4)
-    for _ in range(3):
-        policy.observe(64, 1, 1.6)  # saves 0.15 a step: 2.4 over 16
+    for _ in range(4):
+        policy.observe(64, 1, 1.4)  # saves 0.35 a step: 5.6 over 16
     assert policy.choose(64, num_behind=640) == 0  # 6.4
     assert policy.choose(64, num_behind=200) == 1  # 2.0
 
@@ -220,20 +294,23 @@ def test_adaptive_k_looks_at_k1_from_no_speculation_only_when_its_catch_up_is_ch
     """A look at k=1 after steps without drafts costs a catch-up: it waits until the steps
     between looks make that a small share of them."""
     policy = AdaptiveK(1, explore_every=16)
-    for i in range(50):
+    for i in range(500):
         policy.accepted(1, 1 if i % 5 < 2 else 0)  # E(1) = 1.4 for 1.5: k=0 is best
-    for _ in range(3):
+    for _ in range(4):  # the first a warm-up
         policy.observe(64, 0, 1.0)
     # A catch-up of 640 tokens cost 10 more than a k=0 step.
     policy.observe(64, 1, 11.0, steady=False, num_caught_up=640)
-    for _ in range(3):
+    for _ in range(4):
         policy.observe(64, 1, 1.5)
-    looks = []
+    looks, previous = [], 0
     for step in range(2000):
-        k = policy.choose(64, num_behind=640)
-        if k:
+        k = policy.choose(64, num_behind=0 if previous else 640)
+        if k and not previous:  # a look begins: its draft catches up
             looks.append(step)
-        policy.observe(64, k, 1.0 if k == 0 else 11.0, steady=k == 0, num_caught_up=640 * k)
+            policy.observe(64, k, 11.0, steady=False, num_caught_up=640)
+        else:
+            policy.observe(64, k, 1.5 if k else 1.0)
+        previous = k
     # 5% of the 16, 32, 64 and 128 steps since the last look is less than the catch-up.
     assert looks
     assert looks[0] > 200

@@ -245,3 +245,23 @@ def test_the_engine_refuses_a_draft_that_does_not_fit(model: GPT2LMHeadModel) ->
         make_engine(model, fixed_k("draft"))
     with pytest.raises(ValueError, match="takes no draft model"):
         make_engine(model, fixed_k("ngram"), model)
+
+
+def test_a_step_drafting_well_under_its_k_is_no_sample_of_its_cost(
+    model: GPT2LMHeadModel,
+) -> None:
+    """Near max_tokens a sequence drafts fewer than k tokens: that step is cheaper than a
+    step of k, and adaptive k does not take it as one (the cheapest sample is the estimate)."""
+    engine = make_engine(model, SpeculativeConfig("draft", 4), model)  # self-draft: all kept
+    assert engine.speculator is not None
+    assert engine.speculator.adaptive_k is not None
+    policy = engine.speculator.adaptive_k
+    steady: list[bool] = []
+    policy.choose = lambda num_decodes, num_behind=0: 4  # type: ignore[method-assign]
+    policy.observe = lambda *args, **kwargs: steady.append(kwargs["steady"])  # type: ignore[method-assign]
+    request_id = engine.add_request([1, 2, 3], SamplingParams(max_tokens=14, temperature=0))
+    outputs = run_to_completion(engine)[request_id]
+    # The prompt's step gives 1 token, a step of 4 drafts 5 (the first one's draft catches
+    # up on the prompt: not steady either); the last has room for 2 drafts.
+    assert [len(output.new_token_ids) for output in outputs] == [1, 5, 5, 3]
+    assert steady == [False, True, False]

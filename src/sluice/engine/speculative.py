@@ -11,21 +11,26 @@ occurrence first; the draft is what followed that occurrence.
 
 **Adaptive k** (:class:`AdaptiveK`). Speculation pays when a step's cost grows slower than
 its expected output: with ``a_i`` the measured rate at which draft position ``i`` is
-accepted after positions ``1 .. i - 1`` were, a step of ``k`` yields ``E(k) = 1 + a_1 + a_1
-a_2 + ...`` tokens per sequence, and costs ``cost(b, k)`` seconds at ``b`` decoding
-sequences (measured online, per power-of-two bucket of ``b``, on steps that ran decodes
-only: the fastest of the last 8 that are at most ``explore_every`` of the bucket's steps
-old, else the latest: a step's cost grows with its sequences' context, so a ``k`` measured
-long ago, on shorter contexts, would look cheaper than it is now). Each step takes the ``k``
-(0: off) of the highest ``E(k) / cost(b, k)``. A bucket climbs: ``k + 1`` is first tried
-when ``k`` scores best so far, or less than 25% behind the best (a step's fixed costs can
-make ``k = 1`` lose where ``k = 3`` wins), so a large batch where speculation costs more
-than it yields stays near 0; a larger ``k`` must score 5% better than a smaller one.
-``explore_every`` steps after the best last changed, the less recently measured neighbour of
-the best is tried again (then ever less often while the best holds, up to 16 times further
-apart), so a change of load or acceptance is seen. A bucket neither climbs nor explores past
-the ``k`` that scores best at the nearest smaller bucket that has finished its climb over at
-least ``explore_every`` steps: drafts and verify cost more against a plain decode the more
+accepted after positions ``1 .. i - 1`` were (over about the last 50 verifies), a step of
+``k`` yields ``E(k) = 1 + a_1 + a_1 a_2 + ...`` tokens per sequence, and costs ``cost(b,
+k)`` seconds at ``b`` decoding sequences (measured online, per power-of-two bucket of
+``b``, on steady steps: decodes only, about ``k`` drafts a sequence, no catch-up, and not
+the first step at that bucket and ``k``, which pays one-off costs; the fastest of the last
+3, other work on the machine only ever adding time). Each step takes the ``k`` (0: off)
+of the highest ``E(k) / cost(b, k)`` among those measured in the last ``explore_every``
+steps of the bucket: a step's cost grows with its sequences' context, so a ``k`` measured
+long ago, on shorter contexts, would look cheaper than it is now. A bucket climbs: ``k +
+1`` is first tried when ``k`` scores best so far, or, in a batch of at most four, less
+than 25% behind the best (a step's fixed costs can make ``k = 1`` lose where ``k = 3``
+wins; in a wider batch each drafted token costs about as much as the last); a larger ``k``
+must score 5% better than a smaller one, and in a batch of more than four 15% better than
+none (what the score leaves out, sequences finishing steps apart and the draft catching up
+on new prompts, cost 10-20% at 16 streams). ``explore_every`` steps after the best last
+changed, the less recently measured neighbour of the best is looked at again for 3 steady
+steps (then ever less often while the best holds, up to 16 times further apart), so a
+change of load or acceptance is seen. A bucket neither climbs nor explores past the ``k``
+that scores best at the nearest smaller bucket that has finished its climb over at least
+``explore_every`` steps: drafts and verify cost more against a plain decode the more
 sequences a step holds, so what does not pay at 16 streams does not pay at 64 (measured on
 the bundled pair, a bucket of 64 learning that on its own cost its first 128-token batch
 16%).
@@ -58,12 +63,20 @@ __all__ = [
 
 SpeculativeMethod = Literal["draft", "ngram"]
 
-# The weight of a new sample in the running acceptance rates.
-_SAMPLE_WEIGHT = 0.1
-# Step costs kept per bucket and k (their minimum is the estimate, see _Cost).
-_NUM_RECENT_COSTS = 8
-# Steps of a bucket at one k before its cost counts as measured.
+# The weight of a sequence's verify in the running acceptance rates: about the last 50
+# verifies count. Acceptance varies a lot from one verify to the next; with a weight of 0.1
+# (the last 10) E(k) swung by a third on the bundled pair and took 4 streams from k = 4
+# (1.36x of no speculation at a fixed k) to off.
+_SAMPLE_WEIGHT = 0.02
+# Steps of a bucket at one k before its cost counts as measured; the estimate is the
+# fastest of the last this many (see _Cost), and a look at a neighbour of the best k takes
+# this many steady steps.
 _MIN_COST_SAMPLES = 3
+# A look ends after this many steps even when they were not all steady (catch-ups, steps
+# drafting well under k).
+_MAX_LOOK_STEPS = 4 * _MIN_COST_SAMPLES
+# Catch-up costs kept (their minimum is the estimate).
+_NUM_CATCH_UP_COSTS = 8
 # A larger k must score this much better than a smaller one: step costs are noisy, and the
 # smaller k is the cheaper mistake.
 _MARGIN = 1.05
@@ -85,6 +98,12 @@ _PRIOR_ACCEPTANCE = 0.6
 # to 1.16x, but 64 streams from 0.96x to 0.82x.
 _WIDE_BATCH = 4
 _WIDE_MAX_K = 4
+# In a wider batch speculation must score this much better than none to be switched on.
+# The score weighs steady steps; measured on the bundled pair at 16 streams, a k = 1 that
+# scored a few percent better than none made 0.80-0.90x of its tokens/s: the batch's
+# sequences finish steps apart (acceptance differs between them) and the last run on in
+# small steps, and the draft catches up on every new prompt.
+_WIDE_SWITCH_ON = 1.15
 
 
 @dataclass(frozen=True)
@@ -216,14 +235,18 @@ class _Cost:
     so does every step's cost."""
 
     recent: deque[tuple[int, float]] = field(
-        default_factory=lambda: deque(maxlen=_NUM_RECENT_COSTS)
+        default_factory=lambda: deque(maxlen=_MIN_COST_SAMPLES)
     )
     num_samples: int = 0
     last_step: int = 0  # the bucket's step count when it was last measured
+    warm: bool = False  # its first steady step ran (and was no sample)
 
     def seconds(self, step: int, max_age: int) -> float:
         fresh = [seconds for at, seconds in self.recent if step - at <= max_age]
         return min(fresh) if fresh else self.recent[-1][1]
+
+    def fresh(self, step: int, max_age: int) -> bool:
+        return bool(self.recent) and step - self.recent[-1][0] <= max_age
 
 
 class AdaptiveK:
@@ -244,11 +267,14 @@ class AdaptiveK:
         self._next_explore: dict[int, int] = {}  # per bucket, the step to explore at
         self._backoff: dict[int, int] = {}  # per bucket, explore_every's multiple now
         self._last_best: dict[int, int] = {}
+        # Per bucket, the look in progress: its k, that k's sample count and the bucket's
+        # step count when it began.
+        self._looks: dict[int, tuple[int, int, int]] = {}
         # Per bucket that finished climbing, the k of the highest score (before any switch
         # cost): the ceiling of every larger bucket (see _ceiling).
         self._score_best: dict[int, int] = {}
         # The extra cost per token of the last few catch-ups (their minimum is the estimate).
-        self._catch_up_costs: deque[float] = deque(maxlen=_NUM_RECENT_COSTS)
+        self._catch_up_costs: deque[float] = deque(maxlen=_NUM_CATCH_UP_COSTS)
 
     @staticmethod
     def bucket(num_decodes: int) -> int:
@@ -273,26 +299,38 @@ class AdaptiveK:
         step = self._num_steps.get(bucket, 0)
         max_k = self.max_k if bucket <= _WIDE_BATCH else min(self.max_k, _WIDE_MAX_K)
         max_k = min(max_k, self._ceiling(bucket))
+        tolerance = _CLEAR_LOSS if bucket <= _WIDE_BATCH else 1.0
+        look = self._looks.get(bucket)
+        if look is not None:  # a look at a neighbour of the best goes on for a measurement
+            k, num_samples, began = look
+            measured = self._costs[bucket, k].num_samples - num_samples >= _MIN_COST_SAMPLES
+            if k <= max_k and not measured and step - began < _MAX_LOOK_STEPS:
+                return k
+            del self._looks[bucket]
         for k in range(max_k + 1):
             cost = self._costs.get((bucket, k))
             if cost is None or cost.num_samples < _MIN_COST_SAMPLES:
                 # Climb: a k is first tried when the one below it scores best so far, or
-                # less than _CLEAR_LOSS behind the best.
+                # (in a narrow batch) less than _CLEAR_LOSS behind the best.
                 climb = k == 0 or (
-                    k - 1 in scores and scores[k - 1] * _CLEAR_LOSS >= max(scores.values())
+                    k - 1 in scores and scores[k - 1] * tolerance >= max(scores.values())
                 )
                 if climb and k and cost is not None and cost.recent:
                     # Measured a little already, and clearly behind: not tried again.
                     partial = self.expected_tokens(k) / cost.seconds(step, self._explore_every)
-                    climb = partial * _CLEAR_LOSS >= max(scores.values())
+                    climb = partial * tolerance >= max(scores.values())
                 if climb:
                     return k
                 continue
             seconds = cost.seconds(step, self._explore_every)
             scores[k] = self.expected_tokens(k) / max(seconds, 1e-12)
-        best = min(scores)
-        for k in sorted(scores):
-            if scores[k] > scores[best] * _MARGIN:
+        # Only a k measured lately can be the best: one measured on shorter contexts looks
+        # cheaper than it is now (a look at a neighbour measures it again).
+        fresh = [k for k in scores if self._costs[bucket, k].fresh(step, self._explore_every)]
+        best = min(fresh or scores)
+        switch_on = _MARGIN if bucket <= _WIDE_BATCH else _WIDE_SWITCH_ON
+        for k in sorted(fresh or scores):
+            if scores[k] > scores[best] * (_MARGIN if best else switch_on):
                 best = k
         self._score_best[bucket] = best
         # The catch-up, in the bucket's per-sequence terms as the costs are.
@@ -324,7 +362,9 @@ class AdaptiveK:
                 if catch_up_s > budget_s:
                     return best
             if neighbours:
-                return min(neighbours, key=lambda k: self._costs[bucket, k].last_step)
+                k = min(neighbours, key=lambda k: self._costs[bucket, k].last_step)
+                self._looks[bucket] = (k, self._costs[bucket, k].num_samples, step)
+                return k
         return best
 
     def _ceiling(self, bucket: int) -> int:
@@ -387,6 +427,9 @@ class AdaptiveK:
                 self._catch_up_costs.append(extra_s / num_caught_up)
             return
         cost = self._costs.setdefault((bucket, k), _Cost())
+        if not cost.warm:  # the first step of new shapes pays one-off costs
+            cost.warm = True
+            return
         cost.recent.append((step, seconds))
         cost.num_samples += 1
         cost.last_step = step

@@ -29,6 +29,12 @@ from sluice.engine.speculative import AdaptiveK, SpecDecodeStats, SpeculativeCon
 
 __all__ = ["Speculator"]
 
+# A step whose sequences draft fewer than this share of k each (near their max_tokens or
+# the context's end) is not a sample of a step of k's cost (measured on the bundled pair: at
+# the end of a batch such steps looked up to half as dear, and the cheapest sample is the
+# estimate).
+_FULL_PLAN_SHARE = 0.75
+
 
 class Speculator:
     """Plans, drafts and verifies; keeps :class:`SpecDecodeStats` in ``stats``."""
@@ -44,6 +50,7 @@ class Speculator:
         self.stats = SpecDecodeStats(config.method, config.num_speculative_tokens)
         self._num_caught_up = 0  # of the step in progress
         self._catch_up_s = 0.0  # of the step in progress
+        self._cut_short = False  # the step in progress drafts well under its k (see plan)
 
     @classmethod
     def build(
@@ -92,17 +99,23 @@ class Speculator:
             k = self.config.num_speculative_tokens
         self.stats.last_k = k
         plan: dict[int, int] = {}
+        self._cut_short = False
         if k == 0:
             return plan, k
+        num_speculating = 0
         for seq, params in decodes:
             if not params.speculative:
                 continue
+            num_speculating += 1
             room = (
                 min(params.max_tokens - seq.num_completion_tokens, max_model_len - seq.num_tokens)
                 - 1
             )
             if min(k, room) > 0:
                 plan[seq.seq_id] = min(k, room)
+        # Sequences near their end draft fewer tokens: such a step costs less than a step
+        # of k, and is no measure of one.
+        self._cut_short = not plan or sum(plan.values()) < _FULL_PLAN_SHARE * k * num_speculating
         return plan, k
 
     def propose(self, requests: Sequence_[DraftRequest]) -> dict[int, Draft]:
@@ -155,9 +168,10 @@ class Speculator:
             self.adaptive_k.accepted(num_drafted, num_accepted)
 
     def observe(self, num_decodes: int, num_prefill_tokens: int, k: int, duration_s: float) -> None:
-        """The step ran: its cost counts towards ``k`` when it ran decodes alone and its
-        draft model did not catch up on more than a token a sequence (a catch-up after
-        steps without drafts costs once, not every step at that ``k``)."""
+        """The step ran: its cost counts towards ``k`` when it ran decodes alone, drafted
+        about ``k`` tokens a sequence, and its draft model did not catch up on more than a
+        token a sequence (a catch-up after steps without drafts costs once, not every step
+        at that ``k``)."""
         if self.adaptive_k is None or num_prefill_tokens:
             return
         num_caught_up, self._num_caught_up = self._num_caught_up, 0
@@ -166,7 +180,7 @@ class Speculator:
             num_decodes,
             k,
             duration_s,
-            steady=num_caught_up <= num_decodes,
+            steady=num_caught_up <= num_decodes and not self._cut_short,
             num_caught_up=num_caught_up,
             catch_up_s=catch_up_s or None,
         )
