@@ -3,6 +3,8 @@ the block manager's lookahead blocks (no torch)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from sluice.engine.block_manager import BlockManager
@@ -211,6 +213,82 @@ def test_adaptive_k_takes_no_k_measured_long_ago_as_the_best() -> None:
         chosen.append(policy.choose(4))
         policy.observe(4, chosen[-1], {0: 1.0, 1: 2.0}[chosen[-1]])  # contexts grew
     assert chosen == [1] * 60
+
+
+def test_adaptive_k_climbs_a_wide_batch_past_k1_only_while_speculation_clearly_pays() -> None:
+    """Beyond four decodes each drafted token costs about what the last did: a k = 1 that is
+    not 15% better than none is not climbed past (here k = 2 would be, on made-up costs)."""
+    policy = AdaptiveK(2)
+    for _ in range(500):
+        policy.accepted(2, 2)  # E(1) = 2, E(2) = 3
+    for k, seconds in ((0, 1.0), (1, 1.8)):  # k=1 measured: 11% better than none
+        for _ in range(4):
+            policy.observe(16, k, seconds)
+    assert [policy.choose(16) for _ in range(3)] == [0, 0, 0]
+
+
+def test_adaptive_k_stops_measuring_k1_in_a_wide_batch_that_it_does_not_clearly_pay() -> None:
+    policy = AdaptiveK(1)
+    for _ in range(500):
+        policy.accepted(1, 1)  # E(1) = 2
+    for _ in range(4):
+        policy.observe(16, 0, 1.0)
+    chosen = []
+    for _ in range(3):  # a warm-up, then one sample of k=1: 11% better than none
+        chosen.append(policy.choose(16))
+        policy.observe(16, chosen[-1], 1.8 if chosen[-1] else 1.0)
+    assert chosen == [1, 1, 0]
+
+
+def test_adaptive_k_carries_costs_to_the_context_of_now() -> None:
+    """Steps grow dearer as contexts grow (1% a token here, learnt from the steps): a k
+    measured on shorter contexts is compared as it would cost now."""
+    policy = AdaptiveK(1)
+    for _ in range(500):
+        policy.accepted(1, 1 if _ % 4 else 0)  # E(1) = 1.75
+
+    def cost(k: int, context: int) -> float:
+        return (1.5 if k else 1.0) * math.exp(0.01 * (context - 40))
+
+    for k in (0, 1):
+        for _ in range(4):
+            policy.observe(4, k, cost(k, 40), context=40)
+    chosen = []
+    for context in range(41, 100):
+        chosen.append(policy.choose(4, context=context))
+        policy.observe(4, chosen[-1], cost(chosen[-1], context), context=context)
+    # k=0's 1.0, carried from 40 tokens, stays behind k=1's dearer steps of now.
+    assert chosen == [1] * 59
+
+
+def test_adaptive_k_replaces_its_prior_acceptance_within_a_few_verifies() -> None:
+    """The prior (0.6 a position) counts as one verify until the running rate takes over:
+    five rejections in, a draft nobody accepts no longer looks worth a step."""
+    policy = AdaptiveK(2)
+    assert policy.expected_tokens(1) == pytest.approx(1.6)
+    for _ in range(5):
+        policy.accepted(2, 0)
+    assert policy.expected_tokens(1) == pytest.approx(1.1)  # 0.6 among six
+    for _ in range(500):
+        policy.accepted(2, 2)
+    assert policy.expected_tokens(2) > 2.99
+
+
+def test_adaptive_k_gives_up_on_a_k_it_cannot_measure_until_the_next_look() -> None:
+    """A k whose steps draft too little to be samples (prompt lookup finding no matches) is
+    not chosen on and on unmeasured: after 12 such steps the bucket goes back to the best it
+    measured, and tries again at its next look."""
+    policy = AdaptiveK(1, explore_every=16)
+    for _ in range(500):
+        policy.accepted(1, 1)  # E(1) = 2
+    for _ in range(4):
+        policy.observe(1, 0, 1.0)
+    chosen = []
+    for _ in range(40):
+        chosen.append(policy.choose(1))
+        policy.observe(1, chosen[-1], 1.0, steady=chosen[-1] == 0)
+    assert chosen[:13] == [1] * 12 + [0]
+    assert 1 in chosen[13:]
 
 
 def test_adaptive_k_turns_off_when_acceptance_is_low() -> None:

@@ -257,7 +257,7 @@ def test_a_step_drafting_well_under_its_k_is_no_sample_of_its_cost(
     assert engine.speculator.adaptive_k is not None
     policy = engine.speculator.adaptive_k
     steady: list[bool] = []
-    policy.choose = lambda num_decodes, num_behind=0: 4  # type: ignore[method-assign]
+    policy.choose = lambda *args: 4  # type: ignore[method-assign]
     policy.observe = lambda *args, **kwargs: steady.append(kwargs["steady"])  # type: ignore[method-assign]
     request_id = engine.add_request([1, 2, 3], SamplingParams(max_tokens=14, temperature=0))
     outputs = run_to_completion(engine)[request_id]
@@ -265,3 +265,22 @@ def test_a_step_drafting_well_under_its_k_is_no_sample_of_its_cost(
     # up on the prompt: not steady either); the last has room for 2 drafts.
     assert [len(output.new_token_ids) for output in outputs] == [1, 5, 5, 3]
     assert steady == [False, True, False]
+
+
+def test_a_step_whose_prompt_lookup_finds_nothing_is_no_sample_of_its_cost(
+    model: GPT2LMHeadModel,
+) -> None:
+    """A step of k where prompt lookup drafted nothing ran a plain decode: it is no measure
+    of a step of k."""
+    engine = make_engine(model, SpeculativeConfig("ngram", 2), None)
+    assert engine.speculator is not None
+    assert engine.speculator.adaptive_k is not None
+    policy = engine.speculator.adaptive_k
+    steady: list[bool] = []
+    policy.choose = lambda *args: 2  # type: ignore[method-assign]
+    policy.observe = lambda *args, **kwargs: steady.append(kwargs["steady"])  # type: ignore[method-assign]
+    engine.speculator.proposer.propose = lambda requests: {}  # type: ignore[method-assign]
+    request_id = engine.add_request([1, 2, 3], SamplingParams(max_tokens=6, temperature=0))
+    outputs = run_to_completion(engine)[request_id]
+    assert tokens_of(outputs) == naive_greedy(model, [1, 2, 3], 6)
+    assert steady == [False] * 5  # every decode step: a token each, no drafts

@@ -13,27 +13,30 @@ occurrence first; the draft is what followed that occurrence.
 its expected output: with ``a_i`` the measured rate at which draft position ``i`` is
 accepted after positions ``1 .. i - 1`` were (over about the last 50 verifies), a step of
 ``k`` yields ``E(k) = 1 + a_1 + a_1 a_2 + ...`` tokens per sequence, and costs ``cost(b,
-k)`` seconds at ``b`` decoding sequences (measured online, per power-of-two bucket of
-``b``, on steady steps: decodes only, about ``k`` drafts a sequence, no catch-up, and not
-the first step at that bucket and ``k``, which pays one-off costs; the fastest of the last
-3, other work on the machine only ever adding time). Each step takes the ``k`` (0: off)
-of the highest ``E(k) / cost(b, k)`` among those measured in the last ``explore_every``
-steps of the bucket: a step's cost grows with its sequences' context, so a ``k`` measured
-long ago, on shorter contexts, would look cheaper than it is now. A bucket climbs: ``k +
-1`` is first tried when ``k`` scores best so far, or, in a batch of at most four, less
-than 25% behind the best (a step's fixed costs can make ``k = 1`` lose where ``k = 3``
-wins; in a wider batch each drafted token costs about as much as the last); a larger ``k``
-must score 5% better than a smaller one, and in a batch of more than four 15% better than
-none (what the score leaves out, sequences finishing steps apart and the draft catching up
-on new prompts, cost 10-20% at 16 streams). ``explore_every`` steps after the best last
-changed, the less recently measured neighbour of the best is looked at again for 3 steady
-steps (then ever less often while the best holds, up to 16 times further apart), so a
-change of load or acceptance is seen. A bucket neither climbs nor explores past the ``k``
-that scores best at the nearest smaller bucket that has finished its climb over at least
-``explore_every`` steps: drafts and verify cost more against a plain decode the more
-sequences a step holds, so what does not pay at 16 streams does not pay at 64 (measured on
-the bundled pair, a bucket of 64 learning that on its own cost its first 128-token batch
-16%).
+k)`` seconds at ``b`` decoding sequences (measured online, per power-of-two bucket of ``b``,
+on steady steps: decodes only, about ``k`` drafts a sequence, no catch-up, and not the first
+step at that bucket and ``k``, which pays one-off costs; the fastest of the last 3, other
+work on the machine only ever adding time). A step's cost grows with its sequences' context
+(at 16 streams of the bundled pair, 0.3-0.4% a token: the last quarter of a 128-token
+answer's steps cost 38% more than its first), so each sample is carried to the context of
+now along the growth the bucket's steps show (the slope of the log of their cost against
+their mean context, within each ``k``), and only a ``k`` measured in the last
+``explore_every`` steps of the bucket can be the best. Each step takes the ``k`` (0: off) of
+the highest ``E(k) / cost(b, k)``. A bucket climbs: ``k + 1`` is first tried when ``k``
+scores best so far, or, in a batch of at most four, less than 25% behind the best (a step's
+fixed costs can make ``k = 1`` lose where ``k = 3`` wins); in a wider batch, where each
+drafted token costs about as much as the last, past ``k = 1`` only while it scores 15%
+better than none. A larger ``k`` must score 5% better than a smaller one, and in a batch of
+more than four speculation 15% better than none (what the score leaves out, sequences
+finishing steps apart and the draft catching up on new prompts, cost 10-20% at 16 streams).
+``explore_every`` steps after the best last changed, the less recently measured neighbour of
+the best is looked at again for 3 steady steps (then ever less often while the best holds,
+up to 16 times further apart), so a change of load or acceptance is seen. A bucket neither
+climbs nor explores past the ``k`` that scores best at the nearest smaller bucket that has
+finished its climb over at least ``explore_every`` steps: drafts and verify cost more
+against a plain decode the more sequences a step holds, so what does not pay at 16 streams
+does not pay at 64 (measured on the bundled pair, a bucket of 64 learning that on its own
+cost its first 128-token batch 16%).
 
 A draft model that did not run for a while catches up on every token since in its next
 step (new sequences: on their prompts), a one-off cost that is not a step cost (not a
@@ -49,6 +52,7 @@ step, it always is, so speculation that settled off there stays off.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -77,6 +81,12 @@ _MIN_COST_SAMPLES = 3
 _MAX_LOOK_STEPS = 4 * _MIN_COST_SAMPLES
 # Catch-up costs kept (their minimum is the estimate).
 _NUM_CATCH_UP_COSTS = 8
+# Steady steps of a bucket its cost's growth with context is fitted over, and the most
+# that growth is taken to be per token of context (measured on the bundled pair at a fixed
+# k: 0.34-0.44% a token at 16 and 64 streams, whatever k; learnt online, 0.2-0.6% there and
+# 0.03-0.1% at one stream).
+_GROWTH_SAMPLES = 64
+_MAX_GROWTH = 0.05
 # A larger k must score this much better than a smaller one: step costs are noisy, and the
 # smaller k is the cheaper mistake.
 _MARGIN = 1.05
@@ -227,26 +237,62 @@ class SpecDecodeStats:
 
 @dataclass(slots=True)
 class _Cost:
-    """The last few steady step costs at one bucket and ``k``, with the bucket's step count
-    when each was measured. The estimate is the fastest recent one: other work on the
-    machine only ever adds time to a step, so the fastest recent step is the closest to what
-    the step itself costs, and two ``k`` measured at different moments compare fairly. Only
-    samples at most ``max_age`` steps old count (the latest when none is): contexts grow, and
-    so does every step's cost."""
+    """The last few steady step costs at one bucket and ``k``: each with the bucket's step
+    count and the mean context per sequence when it was measured. The estimate is the
+    fastest recent one, carried to the context of now along the bucket's measured growth
+    (see _Growth): other work on the machine only ever adds time to a step, so the fastest
+    recent step is the closest to what the step itself costs, and two ``k`` measured at
+    different moments compare fairly. Only samples at most ``max_age`` steps old count (the
+    latest when none is)."""
 
-    recent: deque[tuple[int, float]] = field(
+    recent: deque[tuple[int, float, float]] = field(
         default_factory=lambda: deque(maxlen=_MIN_COST_SAMPLES)
     )
     num_samples: int = 0
     last_step: int = 0  # the bucket's step count when it was last measured
     warm: bool = False  # its first steady step ran (and was no sample)
+    num_unmeasured: int = 0  # steps at it since its last sample that were none
 
-    def seconds(self, step: int, max_age: int) -> float:
-        fresh = [seconds for at, seconds in self.recent if step - at <= max_age]
-        return min(fresh) if fresh else self.recent[-1][1]
+    def seconds(self, step: int, max_age: int, context: float, growth: float) -> float:
+        carried = [
+            seconds * math.exp(growth * (context - then))
+            for at, seconds, then in self.recent
+            if step - at <= max_age
+        ]
+        if carried:
+            return min(carried)
+        _, seconds, then = self.recent[-1]
+        return seconds * math.exp(growth * (context - then))
 
     def fresh(self, step: int, max_age: int) -> bool:
         return bool(self.recent) and step - self.recent[-1][0] <= max_age
+
+
+@dataclass(slots=True)
+class _Growth:
+    """How a bucket's step cost grows with its sequences' context: the slope of the log of
+    the cost against the mean context per sequence, fitted over the bucket's last steady
+    steps, within each ``k`` (a ``k``'s own steps differ in little but their context)."""
+
+    samples: deque[tuple[int, float, float]] = field(
+        default_factory=lambda: deque(maxlen=_GROWTH_SAMPLES)
+    )
+    per_token: float = 0.0
+
+    def add(self, k: int, context: float, seconds: float) -> None:
+        self.samples.append((k, context, math.log(max(seconds, 1e-12))))
+        by_k: dict[int, list[tuple[float, float]]] = {}
+        for at_k, x, y in self.samples:
+            by_k.setdefault(at_k, []).append((x, y))
+        covariance = variance = 0.0
+        for points in by_k.values():
+            mean_x = sum(x for x, _ in points) / len(points)
+            mean_y = sum(y for _, y in points) / len(points)
+            covariance += sum((x - mean_x) * (y - mean_y) for x, y in points)
+            variance += sum((x - mean_x) ** 2 for x, _ in points)
+        # A step's cost never shrinks as its context grows; past the cap is noise.
+        slope = covariance / variance if variance > 0 else 0.0
+        self.per_token = min(_MAX_GROWTH, max(0.0, slope))
 
 
 class AdaptiveK:
@@ -262,6 +308,7 @@ class AdaptiveK:
         self.max_k = max_k
         self._explore_every = explore_every
         self.acceptance = [_PRIOR_ACCEPTANCE] * max_k  # of position i after 1 .. i - 1
+        self._num_verified = [0] * max_k  # verifies that reached each position
         self._costs: dict[tuple[int, int], _Cost] = {}
         self._num_steps: dict[int, int] = {}
         self._next_explore: dict[int, int] = {}  # per bucket, the step to explore at
@@ -270,6 +317,7 @@ class AdaptiveK:
         # Per bucket, the look in progress: its k, that k's sample count and the bucket's
         # step count when it began.
         self._looks: dict[int, tuple[int, int, int]] = {}
+        self._growth: dict[int, _Growth] = {}
         # Per bucket that finished climbing, the k of the highest score (before any switch
         # cost): the ceiling of every larger bucket (see _ceiling).
         self._score_best: dict[int, int] = {}
@@ -289,9 +337,10 @@ class AdaptiveK:
             total += chain
         return total
 
-    def choose(self, num_decodes: int, num_behind: int = 0) -> int:
-        """This step's ``k`` for ``num_decodes`` decoding sequences (0: do not speculate),
-        whose draft model would first catch up on ``num_behind`` tokens beyond one each."""
+    def choose(self, num_decodes: int, num_behind: int = 0, context: float = 0.0) -> int:
+        """This step's ``k`` for ``num_decodes`` decoding sequences (0: do not speculate) of
+        ``context`` tokens each on average, whose draft model would first catch up on
+        ``num_behind`` tokens beyond one each."""
         if num_decodes == 0:
             return 0
         bucket = self.bucket(num_decodes)
@@ -307,28 +356,36 @@ class AdaptiveK:
             if k <= max_k and not measured and step - began < _MAX_LOOK_STEPS:
                 return k
             del self._looks[bucket]
+        switch_on = _MARGIN if bucket <= _WIDE_BATCH else _WIDE_SWITCH_ON
         for k in range(max_k + 1):
             cost = self._costs.get((bucket, k))
             if cost is None or cost.num_samples < _MIN_COST_SAMPLES:
                 # Climb: a k is first tried when the one below it scores best so far, or
-                # (in a narrow batch) less than _CLEAR_LOSS behind the best.
-                climb = k == 0 or (
-                    k - 1 in scores and scores[k - 1] * tolerance >= max(scores.values())
-                )
+                # (in a narrow batch) less than _CLEAR_LOSS behind the best; in a wide one
+                # past k = 1 only while speculation clearly pays (see _WIDE_SWITCH_ON).
+                bar = max(scores.values(), default=0.0)
+                if k >= 2 and bucket > _WIDE_BATCH:
+                    bar = max(bar, scores[0] * switch_on)
+                climb = k == 0 or (k - 1 in scores and scores[k - 1] * tolerance >= bar)
+                if climb and cost is not None and cost.num_unmeasured >= _MAX_LOOK_STEPS:
+                    # Tried and not measured (its steps drafted too little, e.g. prompt
+                    # lookup without matches): not tried again before the next look.
+                    climb = False
                 if climb and k and cost is not None and cost.recent:
                     # Measured a little already, and clearly behind: not tried again.
-                    partial = self.expected_tokens(k) / cost.seconds(step, self._explore_every)
-                    climb = partial * tolerance >= max(scores.values())
+                    partial = self.expected_tokens(k) / self._seconds(cost, bucket, step, context)
+                    if bucket > _WIDE_BATCH:
+                        bar = max(bar, scores[0] * switch_on)
+                    climb = partial * tolerance >= bar
                 if climb:
                     return k
                 continue
-            seconds = cost.seconds(step, self._explore_every)
+            seconds = self._seconds(cost, bucket, step, context)
             scores[k] = self.expected_tokens(k) / max(seconds, 1e-12)
         # Only a k measured lately can be the best: one measured on shorter contexts looks
         # cheaper than it is now (a look at a neighbour measures it again).
         fresh = [k for k in scores if self._costs[bucket, k].fresh(step, self._explore_every)]
         best = min(fresh or scores)
-        switch_on = _MARGIN if bucket <= _WIDE_BATCH else _WIDE_SWITCH_ON
         for k in sorted(fresh or scores):
             if scores[k] > scores[best] * (_MARGIN if best else switch_on):
                 best = k
@@ -336,13 +393,16 @@ class AdaptiveK:
         # The catch-up, in the bucket's per-sequence terms as the costs are.
         per_token_s = min(self._catch_up_costs, default=0.0)
         catch_up_s = per_token_s * num_behind / num_decodes * bucket
-        if best and not self._pays_to_switch(bucket, best, step, catch_up_s):
+        if best and not self._pays_to_switch(bucket, best, step, context, catch_up_s):
             best = 0
         if self._last_best.get(bucket) != best:  # the best moved: explore at the base rate
             self._last_best[bucket] = best
             self._backoff[bucket] = 1
             self._next_explore[bucket] = step + self._explore_every
         elif step >= self._next_explore.get(bucket, 0):
+            for (at, _), cost in self._costs.items():
+                if at == bucket:
+                    cost.num_unmeasured = 0  # climbed to again
             neighbours = [k for k in (best - 1, best + 1) if k in scores]
             since_last = self._explore_every * self._backoff.get(bucket, 1)
             backoff = 2 * self._backoff.get(bucket, 1)
@@ -357,7 +417,7 @@ class AdaptiveK:
                 budget_s = (
                     _MAX_EXPLORE_SHARE
                     * since_last
-                    * self._costs[bucket, 0].seconds(step, self._explore_every)
+                    * self._seconds(self._costs[bucket, 0], bucket, step, context)
                 )
                 if catch_up_s > budget_s:
                     return best
@@ -382,13 +442,15 @@ class AdaptiveK:
             smaller >>= 1
         return self.max_k
 
-    def _pays_to_switch(self, bucket: int, k: int, step: int, catch_up_s: float) -> bool:
+    def _pays_to_switch(
+        self, bucket: int, k: int, step: int, context: float, catch_up_s: float
+    ) -> bool:
         """Whether ``k``'s saving over ``explore_every`` steps, against no speculation, pays
         for a catch-up of ``catch_up_s`` first."""
         if catch_up_s <= 0:
             return True
-        cost_0 = self._costs[bucket, 0].seconds(step, self._explore_every)
-        cost_k = self._costs[bucket, k].seconds(step, self._explore_every)
+        cost_0 = self._seconds(self._costs[bucket, 0], bucket, step, context)
+        cost_k = self._seconds(self._costs[bucket, k], bucket, step, context)
         saving_s = self._explore_every * (self.expected_tokens(k) * cost_0 - cost_k)
         return saving_s > catch_up_s
 
@@ -401,9 +463,10 @@ class AdaptiveK:
         steady: bool = True,
         num_caught_up: int = 0,
         catch_up_s: float | None = None,
+        context: float = 0.0,
     ) -> None:
-        """A step of ``num_decodes`` decodes (and no prefill) at ``k`` took ``duration_s``;
-        one that is not ``steady`` (its draft caught up on ``num_caught_up`` tokens beyond
+        """A step of ``num_decodes`` decodes (and no prefill) of ``context`` tokens each on
+        average, at ``k``, took ``duration_s``; one that is not ``steady`` (its draft caught up on ``num_caught_up`` tokens beyond
         one a sequence) counts as a step, and its catch-up pass's ``catch_up_s`` (else what
         the step took beyond a step at ``k``) as the catch-up's cost."""
         if num_decodes == 0 or not 0 <= k <= self.max_k:
@@ -415,6 +478,8 @@ class AdaptiveK:
         seconds = duration_s / num_decodes * bucket
         if not steady:
             known = self._costs.get((bucket, k)) or self._costs.get((bucket, 0))
+            if k:
+                self._costs.setdefault((bucket, k), _Cost()).num_unmeasured += 1
             # Only a real catch-up (not a token or two a sequence more than usual, which
             # step-to-step noise would swamp) measures its cost per token.
             if num_caught_up <= 2 * num_decodes:
@@ -422,21 +487,33 @@ class AdaptiveK:
             if catch_up_s is not None:
                 self._catch_up_costs.append(catch_up_s / num_caught_up)
             elif known is not None and known.recent:
-                extra = seconds - known.seconds(step, self._explore_every)
+                extra = seconds - self._seconds(known, bucket, step, context)
                 extra_s = max(0.0, extra) * num_decodes / bucket
                 self._catch_up_costs.append(extra_s / num_caught_up)
             return
         cost = self._costs.setdefault((bucket, k), _Cost())
+        cost.num_unmeasured = 0
         if not cost.warm:  # the first step of new shapes pays one-off costs
             cost.warm = True
             return
-        cost.recent.append((step, seconds))
+        cost.recent.append((step, seconds, context))
         cost.num_samples += 1
         cost.last_step = step
+        self._growth.setdefault(bucket, _Growth()).add(k, context, seconds)
+
+    def _seconds(self, cost: _Cost, bucket: int, step: int, context: float) -> float:
+        """``cost``'s estimate at ``context``."""
+        growth = self._growth.get(bucket)
+        per_token = 0.0 if growth is None else growth.per_token
+        return cost.seconds(step, self._explore_every, context, per_token)
 
     def accepted(self, num_drafted: int, num_accepted: int) -> None:
         """One sequence's verify: positions ``1 .. num_accepted`` kept, the next rejected."""
         for position in range(min(num_drafted, num_accepted + 1, self.max_k)):
             sample = 1.0 if position < num_accepted else 0.0
+            self._num_verified[position] += 1
+            # The mean of the first verifies (the prior counting as one), then a running
+            # rate: a few verifies replace the prior, however slowly the rate moves later.
+            weight = max(_SAMPLE_WEIGHT, 1 / (self._num_verified[position] + 1))
             rate = self.acceptance[position]
-            self.acceptance[position] = rate + _SAMPLE_WEIGHT * (sample - rate)
+            self.acceptance[position] = rate + weight * (sample - rate)

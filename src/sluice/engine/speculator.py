@@ -30,9 +30,9 @@ from sluice.engine.speculative import AdaptiveK, SpecDecodeStats, SpeculativeCon
 __all__ = ["Speculator"]
 
 # A step whose sequences draft fewer than this share of k each (near their max_tokens or
-# the context's end) is not a sample of a step of k's cost (measured on the bundled pair: at
-# the end of a batch such steps looked up to half as dear, and the cheapest sample is the
-# estimate).
+# the context's end, or prompt lookup finding no match) is not a sample of a step of k's
+# cost (measured on the bundled pair: at the end of a batch such steps looked up to half as
+# dear, and the cheapest sample is the estimate).
 _FULL_PLAN_SHARE = 0.75
 
 
@@ -50,7 +50,9 @@ class Speculator:
         self.stats = SpecDecodeStats(config.method, config.num_speculative_tokens)
         self._num_caught_up = 0  # of the step in progress
         self._catch_up_s = 0.0  # of the step in progress
-        self._cut_short = False  # the step in progress drafts well under its k (see plan)
+        self._cut_short = False  # the step in progress drafts well under its k (see propose)
+        self._full_draft = 0  # the step in progress's k times its speculating sequences
+        self._context = 0.0  # the step in progress's mean tokens per decoding sequence
 
     @classmethod
     def build(
@@ -94,28 +96,27 @@ class Speculator:
         room for ``k`` drafts and one more token within ``max_tokens`` and the context."""
         if self.adaptive_k is not None:
             speculating = [seq for seq, params in decodes if params.speculative]
-            k = self.adaptive_k.choose(len(decodes), self.proposer.num_behind(speculating))
+            num_behind = self.proposer.num_behind(speculating)
+            self._context = sum(seq.num_tokens for seq, _ in decodes) / max(1, len(decodes))
+            k = self.adaptive_k.choose(len(decodes), num_behind, self._context)
         else:
             k = self.config.num_speculative_tokens
         self.stats.last_k = k
         plan: dict[int, int] = {}
-        self._cut_short = False
+        self._cut_short = k > 0  # until its drafts say otherwise (see propose)
+        self._full_draft = 0
         if k == 0:
             return plan, k
-        num_speculating = 0
         for seq, params in decodes:
             if not params.speculative:
                 continue
-            num_speculating += 1
+            self._full_draft += k
             room = (
                 min(params.max_tokens - seq.num_completion_tokens, max_model_len - seq.num_tokens)
                 - 1
             )
             if min(k, room) > 0:
                 plan[seq.seq_id] = min(k, room)
-        # Sequences near their end draft fewer tokens: such a step costs less than a step
-        # of k, and is no measure of one.
-        self._cut_short = not plan or sum(plan.values()) < _FULL_PLAN_SHARE * k * num_speculating
         return plan, k
 
     def propose(self, requests: Sequence_[DraftRequest]) -> dict[int, Draft]:
@@ -128,6 +129,10 @@ class Speculator:
         drafts = self.proposer.propose(requests)
         self._num_caught_up = self.proposer.num_caught_up
         self._catch_up_s = self.proposer.catch_up_s
+        # Fewer drafts than k a sequence (sequences near their end, no lookahead blocks,
+        # prompt lookup without a match) cost less than a step of k: no measure of one.
+        num_drafted = sum(len(draft.token_ids) for draft in drafts.values())
+        self._cut_short = num_drafted < _FULL_PLAN_SHARE * self._full_draft
         if self.adaptive_k is not None:
             for _ in range(len(requests) - len(drafts)):
                 self.adaptive_k.accepted(1, 0)
@@ -183,6 +188,7 @@ class Speculator:
             steady=num_caught_up <= num_decodes and not self._cut_short,
             num_caught_up=num_caught_up,
             catch_up_s=catch_up_s or None,
+            context=self._context,
         )
 
     def forget(self, seq_id: int) -> None:
