@@ -19,7 +19,7 @@ off; at 64 streams every mode >= 0.95x off, greedy and T=0.8. Problems (exit 1):
 output that differs between modes in any row, or from ``transformers`` (a few prompts of
 ``sluice-tiny``).
 
-    .venv/bin/python bench/speculative.py            # ~10-15 min on 2 vCPUs
+    .venv/bin/python bench/speculative.py            # ~5 min on 2 vCPUs
     .venv/bin/python bench/speculative.py --quick    # seconds: small sizes, same paths
 """
 

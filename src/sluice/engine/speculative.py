@@ -11,32 +11,34 @@ occurrence first; the draft is what followed that occurrence.
 
 **Adaptive k** (:class:`AdaptiveK`). Speculation pays when a step's cost grows slower than
 its expected output: with ``a_i`` the measured rate at which draft position ``i`` is
-accepted after positions ``1 .. i - 1`` were (over about the last 50 verifies), a step of
-``k`` yields ``E(k) = 1 + a_1 + a_1 a_2 + ...`` tokens per sequence, and costs ``cost(b,
-k)`` seconds at ``b`` decoding sequences (measured online, per power-of-two bucket of ``b``,
-on steady steps: decodes only, about ``k`` drafts a sequence, no catch-up, and not the first
-step at that bucket and ``k``, which pays one-off costs; the fastest of the last 3, other
-work on the machine only ever adding time). A step's cost grows with its sequences' context
-(at 16 streams of the bundled pair, 0.3-0.4% a token: the last quarter of a 128-token
-answer's steps cost 38% more than its first), so each sample is carried to the context of
-now along the growth the bucket's steps show (the slope of the log of their cost against
-their mean context, within each ``k``), and only a ``k`` measured in the last
-``explore_every`` steps of the bucket can be the best. Each step takes the ``k`` (0: off) of
-the highest ``E(k) / cost(b, k)``. A bucket climbs: ``k + 1`` is first tried when ``k``
-scores best so far, or, in a batch of at most four, less than 25% behind the best (a step's
-fixed costs can make ``k = 1`` lose where ``k = 3`` wins); in a wider batch, where each
-drafted token costs about as much as the last, past ``k = 1`` only while it scores 15%
-better than none. A larger ``k`` must score 5% better than a smaller one, and in a batch of
-more than four speculation 15% better than none (what the score leaves out, sequences
-finishing steps apart and the draft catching up on new prompts, cost 10-20% at 16 streams).
-``explore_every`` steps after the best last changed, the less recently measured neighbour of
-the best is looked at again for 3 steady steps (then ever less often while the best holds,
-up to 16 times further apart), so a change of load or acceptance is seen. A bucket neither
-climbs nor explores past the ``k`` that scores best at the nearest smaller bucket that has
-finished its climb over at least ``explore_every`` steps: drafts and verify cost more
-against a plain decode the more sequences a step holds, so what does not pay at 16 streams
-does not pay at 64 (measured on the bundled pair, a bucket of 64 learning that on its own
-cost its first 128-token batch 16%).
+accepted after positions ``1 .. i - 1`` were (the mean of the first verifies with the prior
+counting as one, then over about the last 50), a step of ``k`` yields ``E(k) = 1 + a_1 + a_1
+a_2 + ...`` tokens per sequence, and costs ``cost(b, k)`` seconds at ``b`` decoding
+sequences (measured online, per power-of-two bucket of ``b``, on steady steps: decodes only,
+at least 3/4 of ``k`` drafts a sequence, no catch-up, and not the first step at that bucket
+and ``k``, which pays one-off costs; the fastest of the last 3, other work on the machine
+only ever adding time). A step's cost grows with its sequences' context (at 16 streams of
+the bundled pair, 0.3-0.4% a token: the last quarter of a 128-token answer's steps cost 38%
+more than its first), so each sample is carried to the context of now along the growth the
+bucket's steps show (the slope of the log of their cost against their mean context, within
+each ``k``), and only a ``k`` measured in the last ``explore_every`` steps of the bucket can
+be the best. Each step takes the ``k`` (0: off) of the highest ``E(k) / cost(b, k)``. A
+bucket climbs: ``k + 1`` is first tried when ``k`` scores best so far, or, in a batch of at
+most four, less than 25% behind the best (a step's fixed costs can make ``k = 1`` lose where
+``k = 3`` wins); in a wider batch, where each drafted token costs about as much as the last,
+past ``k = 1`` only while it scores 15% better than none; a ``k`` whose steps stay
+unmeasured for 12 steps (prompt lookup finding no matches) is given up until the next look.
+A larger ``k`` must score 5% better than a smaller one, and in a batch of more than four
+speculation 15% better than none (what the score leaves out, sequences finishing steps apart
+and the draft catching up on new prompts, cost 10-20% at 16 streams). ``explore_every``
+steps after the best last changed, the less recently measured neighbour of the best is
+looked at again for 3 steady steps (then ever less often while the best holds, up to 16
+times further apart), so a change of load or acceptance is seen. A bucket neither climbs nor
+explores past the ``k`` that scores best at the nearest smaller bucket that has finished its
+climb over at least ``explore_every`` steps: drafts and verify cost more against a plain
+decode the more sequences a step holds, so what does not pay at 16 streams does not pay at
+64 (measured on the bundled pair, a bucket of 64 learning that on its own cost its first
+128-token batch 16%).
 
 A draft model that did not run for a while catches up on every token since in its next
 step (new sequences: on their prompts), a one-off cost that is not a step cost (not a
