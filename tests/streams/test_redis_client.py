@@ -3,6 +3,8 @@ by cluster slot."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import redis.asyncio as redis
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
@@ -12,6 +14,7 @@ from sluice.errors import ConfigError
 from sluice.streams.redis_client import HiredisPacking, cluster_url, open_redis, slot_groups
 from sluice.streams.redis_codec import LEASES_KEY, LIVE_KEY, log_key, meta_key, tenant_live_key
 from sluice.streams.shared import SharedStreams
+from tests.streams.conftest import cluster_client, redis_client
 
 
 def test_a_cluster_url_names_the_plain_url_of_one_of_its_nodes() -> None:
@@ -84,3 +87,24 @@ def test_one_redis_connects_as_its_scheme_says_and_packs_with_hiredis(
     connection_class = client.connection_pool.connection_class
     assert issubclass(connection_class, kind)
     assert issubclass(connection_class, HiredisPacking)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", ["redis", "cluster"])
+async def test_a_burst_of_commands_past_the_pools_size_waits_for_connections(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    """A replica that gets more concurrent Redis commands than its pool holds (64
+    connections; a burst of stream creations does it) queues them: none fails."""
+    client = (
+        redis_client(request.getfixturevalue("redis_server"))
+        if kind == "redis"
+        else cluster_client(request)
+    )
+    try:
+        script = "return redis.call('INCR', KEYS[1])"
+        assert await client.eval(script, 1, "k") == 1  # the cluster client's topology read
+        answers = await asyncio.gather(*(client.eval(script, 1, "k") for _ in range(299)))
+        assert sorted(answers) == list(range(2, 301))
+    finally:
+        await client.aclose()

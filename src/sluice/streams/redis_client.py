@@ -31,8 +31,8 @@ import redis.asyncio as redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import (
     AbstractConnection,
+    BlockingConnectionPool,
     Connection,
-    ConnectionPool,
     SSLConnection,
     UnixDomainSocketConnection,
     parse_url,
@@ -64,6 +64,13 @@ CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 # its stream): long enough for a loaded Redis, short enough that nobody hangs.
 SOCKET_TIMEOUT_S = 2.0
 CONNECT_TIMEOUT_S = 1.0
+# Connections a replica holds to one Redis; a command that finds them all busy waits for
+# one (up to SOCKET_TIMEOUT_S) rather than failing: with redis-py's plain pool, more than
+# 64 commands at once (a burst of stream creations on one replica) failed at once, and the
+# creations were 503s. The cluster client cannot wait for a connection (past its limit a
+# command fails), so its limit per node is set past any burst a replica admits.
+_MAX_CONNECTIONS = 64
+_MAX_CLUSTER_CONNECTIONS = 1024
 
 T = TypeVar("T")
 
@@ -122,17 +129,18 @@ def open_redis(url: str) -> RedisClient:
             plain,
             socket_timeout=SOCKET_TIMEOUT_S,
             socket_connect_timeout=CONNECT_TIMEOUT_S,
-            max_connections=64,
+            max_connections=_MAX_CLUSTER_CONNECTIONS,
         )
     options: dict[str, object] = dict(parse_url(url))
     # The scheme picks the connection class (TCP, TLS, Unix socket): ours of the same kind.
     stock = cast(type[AbstractConnection], options.pop("connection_class", Connection))
     options["connection_class"] = _HIREDIS_CLASSES.get(stock, stock)
-    pool = ConnectionPool(
+    pool = BlockingConnectionPool(
+        timeout=SOCKET_TIMEOUT_S,
         socket_timeout=SOCKET_TIMEOUT_S,
         socket_connect_timeout=CONNECT_TIMEOUT_S,
         health_check_interval=0,
-        max_connections=64,
+        max_connections=_MAX_CONNECTIONS,
         **options,  # type: ignore[arg-type]
     )
     return redis.Redis.from_pool(pool)
