@@ -247,18 +247,25 @@ def test_the_engine_refuses_a_draft_that_does_not_fit(model: GPT2LMHeadModel) ->
         make_engine(model, fixed_k("ngram"), model)
 
 
+def record_steady(engine: Engine, k: int) -> list[bool]:
+    """Make ``engine``'s adaptive k (a test double from here on) choose ``k`` every step;
+    the list it returns fills with whether each observed step was steady."""
+    assert engine.speculator is not None
+    assert engine.speculator.adaptive_k is not None
+    policy = engine.speculator.adaptive_k
+    steady: list[bool] = []
+    policy.choose = lambda *args: k  # type: ignore[method-assign]
+    policy.observe = lambda *args, **kwargs: steady.append(kwargs["steady"])  # type: ignore[method-assign]
+    return steady
+
+
 def test_a_step_drafting_well_under_its_k_is_no_sample_of_its_cost(
     model: GPT2LMHeadModel,
 ) -> None:
     """Near max_tokens a sequence drafts fewer than k tokens: that step is cheaper than a
     step of k, and adaptive k does not take it as one (the cheapest sample is the estimate)."""
     engine = make_engine(model, SpeculativeConfig("draft", 4), model)  # self-draft: all kept
-    assert engine.speculator is not None
-    assert engine.speculator.adaptive_k is not None
-    policy = engine.speculator.adaptive_k
-    steady: list[bool] = []
-    policy.choose = lambda *args: 4  # type: ignore[method-assign]
-    policy.observe = lambda *args, **kwargs: steady.append(kwargs["steady"])  # type: ignore[method-assign]
+    steady = record_steady(engine, k=4)
     request_id = engine.add_request([1, 2, 3], SamplingParams(max_tokens=14, temperature=0))
     outputs = run_to_completion(engine)[request_id]
     # The prompt's step gives 1 token, a step of 4 drafts 5 (the first one's draft catches
@@ -273,12 +280,8 @@ def test_a_step_whose_prompt_lookup_finds_nothing_is_no_sample_of_its_cost(
     """A step of k where prompt lookup drafted nothing ran a plain decode: it is no measure
     of a step of k."""
     engine = make_engine(model, SpeculativeConfig("ngram", 2), None)
+    steady = record_steady(engine, k=2)
     assert engine.speculator is not None
-    assert engine.speculator.adaptive_k is not None
-    policy = engine.speculator.adaptive_k
-    steady: list[bool] = []
-    policy.choose = lambda *args: 2  # type: ignore[method-assign]
-    policy.observe = lambda *args, **kwargs: steady.append(kwargs["steady"])  # type: ignore[method-assign]
     engine.speculator.proposer.propose = lambda requests: {}  # type: ignore[method-assign]
     request_id = engine.add_request([1, 2, 3], SamplingParams(max_tokens=6, temperature=0))
     outputs = run_to_completion(engine)[request_id]
