@@ -12,6 +12,7 @@ from sluice.engine.acceptance import (
     accept_greedy,
     accept_greedy_many,
     accept_sampled,
+    accept_sampled_many,
     rejection_sample,
 )
 from sluice.engine.sampler import NonFiniteLogitsError, filter_logits
@@ -148,3 +149,67 @@ def test_sampled_sequence_stops_at_the_first_rejection() -> None:
 def test_sampled_sequence_all_accepted_draws_the_bonus_from_the_last_row() -> None:
     p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
     assert accept_sampled([1], p, None) == [1, 2]
+
+
+def test_many_sequences_verified_at_once_each_keep_their_own_target() -> None:
+    """20,000 sequences of two kinds (different targets, filters and drafts, alternating) in
+    one call, one draft token each: every kind's first token is distributed as its own
+    ``p_1`` and, where the draft was accepted, its bonus as its own ``p_2``."""
+    generator = torch.Generator().manual_seed(21)
+    kinds = []
+    for params in (FILTERS[1], FILTERS[2]):
+        target = torch.randn(2, VOCAB, generator=generator) * 2
+        draft = target[0] + torch.randn(VOCAB, generator=generator) * 2
+        p = torch.softmax(torch.stack([filter_logits(row, params) for row in target]), -1)
+        q = torch.softmax(filter_logits(draft, params), dim=-1)
+        kinds.append((target, p, q, params))
+    num_seqs = 20_000
+    drafted = [
+        torch.multinomial(q, num_seqs // 2, replacement=True, generator=generator).tolist()
+        for _, _, q, _ in kinds
+    ]
+    drafts, params, logits = [], [], []
+    for n in range(num_seqs):
+        target, _, q, kind_params = kinds[n % 2]
+        drafts.append(([drafted[n % 2][n // 2]], q[None]))
+        params.append(kind_params)
+        logits.append(target)
+    torch.manual_seed(23)
+    outcomes = accept_sampled_many(torch.cat(logits), drafts, params, [None] * num_seqs)
+    for kind, (_, p, _, _) in enumerate(kinds):
+        runs = [outcome[0] for outcome in outcomes[kind::2]]  # type: ignore[index]
+        assert chi_square_p_value(torch.tensor([run[0] for run in runs]), p[0]) > SIGNIFICANCE
+        bonuses = torch.tensor([run[1] for run in runs if len(run) == 2])
+        assert 0 < len(bonuses) < len(runs)
+        assert chi_square_p_value(bonuses, p[1]) > SIGNIFICANCE
+
+
+def test_a_sequence_verified_with_others_gets_what_it_gets_alone() -> None:
+    """Seeded sequences draw from their own generators: the batch does not change a token,
+    and a sequence with a broken row fails alone."""
+    generator = torch.Generator().manual_seed(5)
+    sizes = [3, 1, 4, 2]
+    logits = [torch.randn(size, VOCAB, generator=generator) * 2 for size in sizes]
+    drafts = [
+        (
+            torch.randint(VOCAB, (size - 1,), generator=generator).tolist(),
+            torch.softmax(torch.randn(size - 1, VOCAB, generator=generator), -1)
+            if size > 1
+            else None,
+        )
+        for size in sizes
+    ]
+    params = [FILTERS[i % len(FILTERS)] for i in range(len(sizes))]
+
+    def seeded() -> list[torch.Generator]:
+        return [torch.Generator().manual_seed(100 + i) for i in range(len(sizes))]
+
+    broken = [row.clone() for row in logits]
+    broken[2][1, 0] = float("nan")
+    together = accept_sampled_many(torch.cat(broken), drafts, params, seeded())
+    alone = [
+        accept_sampled_many(logits[i], [drafts[i]], [params[i]], [seeded()[i]])[0]
+        for i in range(len(sizes))
+    ]
+    assert isinstance(together[2], NonFiniteLogitsError)
+    assert [together[i] for i in (0, 1, 3)] == [alone[i] for i in (0, 1, 3)]

@@ -32,10 +32,23 @@ from collections.abc import Sequence
 
 import torch
 
-from sluice.engine.sampler import NonFiniteLogitsError, filter_logits
+from sluice.engine.sampler import (
+    NonFiniteLogitsError,
+    draw_tokens,
+    draw_uniforms,
+    filtered_probs,
+    invert_cdf,
+)
 from sluice.engine.sampling_params import SamplingParams
 
-__all__ = ["accept", "accept_greedy", "accept_greedy_many", "accept_sampled", "rejection_sample"]
+__all__ = [
+    "accept",
+    "accept_greedy",
+    "accept_greedy_many",
+    "accept_sampled",
+    "accept_sampled_many",
+    "rejection_sample",
+]
 
 
 def accept_greedy(draft_token_ids: Sequence[int], target_token_ids: Sequence[int]) -> list[int]:
@@ -104,6 +117,18 @@ def rejection_sample(
         raise ValueError("target_probs must be [n, vocab] and draft_token_ids [n]")
     if draft_probs is not None and draft_probs.shape != target_probs.shape:
         raise ValueError("draft_probs must have the shape of target_probs")
+    uniforms = torch.rand((2, target_probs.shape[0]), generator=generator, dtype=torch.float64)
+    return _rejection_rule(target_probs, draft_probs, draft_token_ids, uniforms)
+
+
+def _rejection_rule(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    draft_token_ids: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rejection_sample` with its draws given: ``uniforms`` ``[2, n]`` (float64, in
+    [0, 1)), row 0 for acceptance, row 1 for the residual's inverse CDF."""
     p = target_probs.float()
     rows = torch.arange(p.shape[0], device=p.device)
     p_draft = p[rows, draft_token_ids]
@@ -113,15 +138,15 @@ def rejection_sample(
     else:
         q = draft_probs.float()
     q_draft = q[rows, draft_token_ids]
-    uniform = torch.rand(p.shape[0], generator=generator, device=p.device)
+    uniforms = uniforms.to(p.device)
     # u < p/q without dividing: q(x) > 0 as the draft drew x from q.
-    accepted = uniform * q_draft < p_draft
+    accepted = uniforms[0] * q_draft < p_draft
     residual = (p - q).clamp_min(0.0)
     mass = residual.sum(dim=-1, keepdim=True)
     # No residual mass means p <= q everywhere, so p == q and x is always accepted; the
     # fallback to p only keeps the draw well-defined where float rounding rejected anyway.
     residual = torch.where(mass > 0, residual, p)
-    replacement = torch.multinomial(residual, 1, generator=generator)[:, 0]
+    replacement = invert_cdf(residual, uniforms[1])
     return accepted, torch.where(accepted, draft_token_ids, replacement)
 
 
@@ -149,7 +174,7 @@ def accept_sampled(
             emitted.append(token)
             if not is_accepted:
                 return emitted
-    bonus = torch.multinomial(target_probs[num_draft].float(), 1, generator=generator)
+    bonus = draw_tokens(target_probs[num_draft : num_draft + 1], generator)[0]
     emitted.append(int(bonus))
     return emitted
 
@@ -165,16 +190,128 @@ def accept(
     and each draft token; the emitted tokens (1 to ``k + 1``) and each one's logprob under
     the target's unfiltered distribution. ``params`` filters ``p`` as the sampler would.
     Raises :class:`~sluice.engine.sampler.NonFiniteLogitsError` for a broken row."""
+    if not params.greedy:
+        outcome = accept_sampled_many(
+            logits, [(draft_token_ids, draft_probs)], [params], [generator]
+        )[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
     rows = logits.float()
     if not bool(torch.isfinite(rows.max(dim=-1).values).all()):
         raise NonFiniteLogitsError()
-    if params.greedy:
-        tokens = accept_greedy(draft_token_ids, rows.argmax(dim=-1).tolist())
-    else:
-        target_probs = torch.stack(
-            [torch.softmax(filter_logits(row, params), dim=-1) for row in rows]
-        ).cpu()
-        tokens = accept_sampled(draft_token_ids, target_probs, draft_probs, generator)
+    tokens = accept_greedy(draft_token_ids, rows.argmax(dim=-1).tolist())
     log_probs = torch.log_softmax(rows[: len(tokens)], dim=-1)
     index = torch.tensor(tokens, device=log_probs.device)[:, None]
     return tokens, log_probs.gather(1, index)[:, 0].tolist()
+
+
+def accept_sampled_many(
+    logits: torch.Tensor,
+    drafts: Sequence[tuple[Sequence[int], torch.Tensor | None]],
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[tuple[list[int], list[float]] | NonFiniteLogitsError]:
+    """Sampled verifies of several sequences at once: ``logits`` stacks each one's ``[k_i +
+    1, vocab]`` rows, in the order of ``drafts`` (each one's draft tokens and ``q``, None for
+    a deterministic proposal), ``params`` and ``generators``. Per sequence, what
+    :func:`accept` returns (the emitted tokens and their logprobs), or a
+    :class:`~sluice.engine.sampler.NonFiniteLogitsError` for a sequence with a broken row.
+
+    The rows sharing a filter are filtered in one pass; acceptance is decided at every draft
+    position at once; then each sequence makes its one draw, from the residual at its first
+    rejection or the bonus after its last draft, all in one inverse CDF (the residuals past
+    a rejection, which the sequential rule never reaches, are not computed). Each sequence
+    draws ``2 k_i + 1`` uniforms from its generator (to accept and for a residual at each
+    position, one for the bonus), so a seeded sequence's tokens do not depend on what
+    shares its step."""
+    sizes = [len(tokens) + 1 for tokens, _ in drafts]
+    if not len(drafts) == len(params) == len(generators):
+        raise ValueError("need params and a generator per sequence")
+    if logits.dim() != 2 or logits.shape[0] != sum(sizes):
+        raise ValueError(f"drafts need {sum(sizes)} rows of logits, got {tuple(logits.shape)}")
+    rows = logits.float()
+    finite = torch.isfinite(rows.max(dim=-1).values).tolist()
+    starts = _offsets(sizes)
+    good = [i for i, start in enumerate(starts) if all(finite[start : start + sizes[i]])]
+    results: list[tuple[list[int], list[float]] | NonFiniteLogitsError] = [
+        NonFiniteLogitsError() for _ in drafts
+    ]
+    if not good:
+        return results
+    if len(good) < len(drafts):
+        rows = rows[torch.tensor([r for i in good for r in range(starts[i], starts[i] + sizes[i])])]
+    p = filtered_probs(rows, [params[i] for i in good for _ in range(sizes[i])])
+    vocab = p.shape[-1]
+    firsts = _offsets([sizes[i] for i in good])  # each good sequence's first row of p
+    uniform_starts = _offsets([2 * sizes[i] - 1 for i in good])
+    uniforms = draw_uniforms([generators[i] for i in good], [2 * sizes[i] - 1 for i in good])
+    # Every draft position of every sequence, packed: its row of p, token, q and uniform;
+    # then one row of zeros (the "q" a bonus draw subtracts).
+    rows_of: list[int] = []
+    tokens_of: list[int] = []
+    uniform_of: list[int] = []
+    q_parts = []
+    for n, i in enumerate(good):
+        draft, q = drafts[i]
+        rows_of.extend(range(firsts[n], firsts[n] + len(draft)))
+        tokens_of.extend(draft)
+        uniform_of.extend(range(uniform_starts[n], uniform_starts[n] + len(draft)))
+        if draft:
+            q_parts.append(_one_hot(draft, vocab) if q is None else q.float().cpu())
+    draft_q = torch.cat([*q_parts, torch.zeros(1, vocab)])
+    positions = torch.arange(len(tokens_of))
+    # x is accepted when u * q(x) < p(x): no division, as q(x) > 0 (the draft drew x from
+    # q; a deterministic proposal's q(x) is 1).
+    p_of_tokens = p[
+        torch.tensor(rows_of, dtype=torch.long), torch.tensor(tokens_of, dtype=torch.long)
+    ]
+    q_of_tokens = draft_q[positions, torch.tensor(tokens_of, dtype=torch.long)]
+    accepted = (uniforms[uniform_of] * q_of_tokens.double() < p_of_tokens.cpu().double()).tolist()
+    # Each sequence keeps its drafts up to its first rejection, then makes its one draw:
+    # there, from norm(max(0, p - q)); with every draft accepted, the bonus from p.
+    kept, draw_rows, draw_uniform, subtract = [], [], [], []
+    at = 0
+    for n, i in enumerate(good):
+        k = sizes[i] - 1
+        position = next((j for j in range(k) if not accepted[at + j]), k)
+        kept.append(position)
+        draw_rows.append(firsts[n] + position)
+        if position < k:
+            draw_uniform.append(uniform_starts[n] + k + position)
+            subtract.append(at + position)
+        else:
+            draw_uniform.append(uniform_starts[n] + 2 * k)
+            subtract.append(len(tokens_of))  # the row of zeros
+        at += k
+    targets = p[torch.tensor(draw_rows, dtype=torch.long)]
+    residual = (targets - draft_q[subtract].to(p.device)).clamp_min(0.0)
+    # No residual mass means p <= q everywhere, so p == q and x is always accepted; the
+    # fallback to p only keeps the draw well-defined where float rounding rejected anyway.
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, targets)
+    last = invert_cdf(residual, uniforms[draw_uniform].to(p.device)).tolist()
+    chosen = [[*drafts[i][0][: kept[n]], last[n]] for n, i in enumerate(good)]
+    # Each emitted token's logprob under the target's unfiltered distribution, one gather.
+    gather_rows = [firsts[n] + j for n in range(len(good)) for j in range(len(chosen[n]))]
+    log_probs = torch.log_softmax(rows[gather_rows], dim=-1)
+    index = torch.tensor([t for tokens in chosen for t in tokens], device=log_probs.device)
+    logprobs = log_probs.gather(1, index[:, None])[:, 0].tolist()
+    for n, (i, at) in enumerate(zip(good, _offsets([len(c) for c in chosen]), strict=True)):
+        results[i] = (chosen[n], logprobs[at : at + len(chosen[n])])
+    return results
+
+
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    """Where each of consecutive runs of ``sizes`` starts."""
+    offsets, at = [], 0
+    for size in sizes:
+        offsets.append(at)
+        at += size
+    return offsets
+
+
+def _one_hot(token_ids: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """``q`` of a deterministic proposal: certainty on each token."""
+    q = torch.zeros((len(token_ids), vocab_size))
+    q[torch.arange(len(token_ids)), torch.tensor(list(token_ids))] = 1.0
+    return q

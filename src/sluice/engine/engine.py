@@ -308,6 +308,7 @@ class Engine:
                     one if isinstance(one, Exception) else ([one.token_id], [one.logprob])
                 )
         results.update(self._verify_greedy(logits, drafts))
+        results.update(self._verify_sampled(logits, drafts))
         for request_id, draft in drafts.items():
             if request_id in self._requests and request_id not in results:
                 results[request_id] = self._verify(request_id, logits[request_id], draft)
@@ -382,6 +383,29 @@ class Engine:
         except Exception:
             return {}
         return dict(zip(greedy, outcomes, strict=True))
+
+    def _verify_sampled(
+        self, logits: dict[int, torch.Tensor], drafts: dict[int, Draft]
+    ) -> dict[int, tuple[list[int], list[float]] | Exception]:
+        """The sampled requests' verifies in one pass; {} if that pass raised (each is then
+        verified alone, so that only a faulty row fails)."""
+        sampled = [
+            request_id
+            for request_id in drafts
+            if request_id in self._requests and not self._requests[request_id].params.greedy
+        ]
+        if self.speculator is None or not sampled:
+            return {}
+        rows = []
+        for request_id in sampled:
+            params = self._requests[request_id].params
+            generator = self.sampler.generator_for(request_id, params)
+            rows.append((logits[request_id], drafts[request_id], params, generator))
+        try:
+            outcomes = self.speculator.verify_sampled(rows)
+        except Exception:
+            return {}
+        return dict(zip(sampled, outcomes, strict=True))
 
     def _fail(self, request: _Request, exc: Exception, produced_at: float) -> RequestOutput:
         """Abort one request whose row failed (between schedule and postprocess, which then

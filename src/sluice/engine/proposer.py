@@ -19,9 +19,9 @@ catch-up too, when it is one token a sequence, as after a rejection) are laid ou
 :class:`~sluice.engine.models.decode.DecodeRounds` and run by the model's ``decode``, and
 greedy drafts stay one tensor a round (the token ids become Python ints once, at the end):
 each round is then mostly the draft model's own arithmetic. A float32 GPT-2 draft on the CPU
-drafts a step of a few sequences, all greedy, whose catch-ups are short, in C instead
-(:class:`~sluice.engine.models.native_draft.NativeGreedyDraft`: every round in one call,
-writing the same K/V), since a small draft's rounds are mostly the framework's time.
+drafts a step of a few sequences whose catch-ups are short in C instead, greedy or sampled
+(:class:`~sluice.engine.models.native_draft.NativeDraft`: every round in one call, writing
+the same K/V), since a small draft's rounds are mostly the framework's time.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from sluice.engine.models.decode import DecodeRounds
 from sluice.engine.models.native_draft import (
     MAX_NATIVE_CATCH_UP_TOKENS,
     MAX_NATIVE_DRAFT_SEQUENCES,
-    NativeGreedyDraft,
+    NativeDraft,
 )
-from sluice.engine.sampler import filter_logits
+from sluice.engine.sampler import draw_tokens, filter_logits
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.sequence import Sequence
 from sluice.engine.speculative import propose_ngram
@@ -138,7 +138,7 @@ class DraftModelProposer:
 
     def __init__(self, model: PagedModel, *, num_blocks: int, block_size: int) -> None:
         self.runner = ModelRunner(model, model.make_kv_cache(num_blocks, block_size))
-        self._native = NativeGreedyDraft.for_model(model, self.runner.kv_cache)
+        self._native = NativeDraft.for_model(model, self.runner.kv_cache)
         self.vocab_size = model.config.vocab_size
         self.n_positions = model.config.n_positions
         self._states: dict[int, _DraftState] = {}
@@ -173,15 +173,20 @@ class DraftModelProposer:
         if (
             self._native is not None
             and len(requests) <= MAX_NATIVE_DRAFT_SEQUENCES
-            and all(request.params.greedy for request in requests)
             and all(len(s.token_ids) <= MAX_NATIVE_CATCH_UP_TOKENS for s in slices)
         ):
-            tokens = self._native.draft(
+            tokens, native_probs = self._native.draft(
                 [s.token_ids for s in slices],
                 [s.start_position for s in slices],
                 [request.num_tokens for request in requests],
                 [request.seq.block_table for request in requests],
+                [request.params for request in requests],
+                [request.generator for request in requests],
             )
+            if native_probs is not None:
+                for i, request in enumerate(requests):
+                    if not request.params.greedy:
+                        probs[i] = list(native_probs[i, : request.num_tokens])
         else:
             with torch.inference_mode():
                 tokens, probs = self._draft(requests, slices)
@@ -273,4 +278,4 @@ class DraftModelProposer:
     @staticmethod
     def _sample(logits: torch.Tensor, request: DraftRequest) -> tuple[int, torch.Tensor]:
         q = torch.softmax(filter_logits(logits, request.params), dim=-1).cpu()
-        return int(torch.multinomial(q, 1, generator=request.generator)), q
+        return int(draw_tokens(q[None], request.generator)[0]), q

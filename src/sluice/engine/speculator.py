@@ -14,7 +14,7 @@ from collections.abc import Sequence as Sequence_
 
 import torch
 
-from sluice.engine.acceptance import accept, accept_greedy_many
+from sluice.engine.acceptance import accept, accept_greedy_many, accept_sampled_many
 from sluice.engine.model_runner import PagedModel
 from sluice.engine.proposer import (
     Draft,
@@ -163,6 +163,25 @@ class Speculator:
             torch.cat([logits for logits, _ in rows]), [draft.token_ids for _, draft in rows]
         )
         for (_, draft), outcome in zip(rows, outcomes, strict=True):
+            if not isinstance(outcome, Exception):
+                self._count(len(draft.token_ids), len(outcome[0]) - 1)
+        return list(outcomes)
+
+    def verify_sampled(
+        self, rows: Sequence_[tuple[torch.Tensor, Draft, SamplingParams, torch.Generator | None]]
+    ) -> list[tuple[list[int], list[float]] | Exception]:
+        """:meth:`verify` of sampled sequences (each one's logits, draft, params and
+        generator), in one pass (:func:`~sluice.engine.acceptance.accept_sampled_many`); a
+        sequence whose rows cannot be sampled gets its exception in its place."""
+        if not rows:
+            return []
+        outcomes = accept_sampled_many(
+            torch.cat([logits for logits, *_ in rows]),
+            [(draft.token_ids, draft.probs) for _, draft, *_ in rows],
+            [params for *_, params, _ in rows],
+            [generator for *_, generator in rows],
+        )
+        for (_, draft, *_), outcome in zip(rows, outcomes, strict=True):
             if not isinstance(outcome, Exception):
                 self._count(len(draft.token_ids), len(outcome[0]) - 1)
         return list(outcomes)

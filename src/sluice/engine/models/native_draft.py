@@ -1,11 +1,16 @@
-"""Greedy drafting by a GPT-2 draft model in C (``gpt2_draft.c``): every round of a step in
-one call, for a float32 draft on the CPU (its matrices and LM head read in float16 where the
+"""Drafting by a GPT-2 draft model in C (``gpt2_draft.c``): every round of a step in one
+call, for a float32 draft on the CPU (its matrices and LM head read in float16 where the
 CPU converts it, F16C: a draft's tokens are proposals the target verifies, so this changes
 how many are accepted, never the output).
 
-:class:`~sluice.engine.proposer.DraftModelProposer` asks :meth:`NativeGreedyDraft.for_model`
-once; when it gives a drafter, steps whose requests are all greedy and whose catch-ups are
-short draft through it, and the others through the torch model as before. The drafter
+A sequence drafts greedily, or samples: the kernel draws each draft from its ``q`` (the
+softmax at the request's temperature after its top-k and top-p) by inverse CDF at a uniform
+drawn here from the request's generator, and returns ``q`` for the acceptance rule. The
+rule keeps the target's distribution whatever ``q`` is, as long as the draft drew from it.
+
+:class:`~sluice.engine.proposer.DraftModelProposer` asks :meth:`NativeDraft.for_model`
+once; when it gives a drafter, steps of a few sequences whose catch-ups are short draft
+through it, and the others through the torch model as before. The drafter
 reads the model's parameters at every call (so a replaced or reloaded weight is never read
 stale) and writes K/V to the draft's own paged cache exactly where the torch rounds would.
 ``SLUICE_NATIVE_KERNELS=0`` turns it off, with the attention kernel.
@@ -15,6 +20,8 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -22,8 +29,14 @@ from sluice.engine.kv_cache import KVCache
 from sluice.engine.models.gpt2 import GPT2LMHeadModel
 from sluice.engine.models.native_build import check_status, load_kernel
 from sluice.engine.models.step import StepError
+from sluice.engine.sampling_params import SamplingParams
 
-__all__ = ["MAX_NATIVE_CATCH_UP_TOKENS", "MAX_NATIVE_DRAFT_SEQUENCES", "NativeGreedyDraft"]
+__all__ = [
+    "MAX_NATIVE_CATCH_UP_TOKENS",
+    "MAX_NATIVE_DRAFT_SEQUENCES",
+    "NativeDraft",
+    "NativeDrafts",
+]
 
 # A catch-up longer than this (a sequence's first draft, after its prompt) runs as one torch
 # forward over the chunk: the C rounds take its tokens one at a time.
@@ -105,11 +118,16 @@ class _Args(ctypes.Structure):
         ("num_blocks", ctypes.c_int64),
         ("eps", ctypes.c_float),
         ("num_threads", ctypes.c_int32),
+        ("temperatures", ctypes.c_void_p),
+        ("top_ks", ctypes.c_void_p),
+        ("top_ps", ctypes.c_void_p),
+        ("uniforms", ctypes.c_void_p),
+        ("probs", ctypes.c_void_p),
     )
 
 
-class NativeGreedyDraft:
-    """Greedy drafts of a GPT-2 draft model over its paged cache, by ``gpt2_draft.c``."""
+class NativeDraft:
+    """Drafts of a GPT-2 draft model over its paged cache, by ``gpt2_draft.c``."""
 
     def __init__(self, library: ctypes.CDLL, model: GPT2LMHeadModel, kv_cache: KVCache) -> None:
         self._function = library.sluice_gpt2_draft_f32
@@ -128,7 +146,7 @@ class NativeGreedyDraft:
         self._matrices: list[torch.Tensor] = []  # what _layer_array points into
 
     @classmethod
-    def for_model(cls, model: object, kv_cache: KVCache) -> NativeGreedyDraft | None:
+    def for_model(cls, model: object, kv_cache: KVCache) -> NativeDraft | None:
         """A drafter for ``model``, or None: not a float32 CPU GPT-2 with a float32 CPU
         cache, kernels turned off, or no compiler."""
         if not isinstance(model, GPT2LMHeadModel):
@@ -182,10 +200,14 @@ class NativeGreedyDraft:
         first_positions: Sequence[int],
         num_drafts: Sequence[int],
         block_tables: Sequence[Sequence[int]],
-    ) -> list[list[int]]:
-        """Each sequence's ``num_drafts`` greedy drafts: its ``catch_up`` tokens (at least
-        its last token) run from ``first_positions``, then each draft is fed back in. K/V
-        are written for every token run: the catch-up and every draft but the last.
+        params: Sequence[SamplingParams] | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> NativeDrafts:
+        """Each sequence's ``num_drafts`` drafts: its ``catch_up`` tokens (at least its last
+        token) run from ``first_positions``, then each draft is fed back in. K/V are
+        written for every token run: the catch-up and every draft but the last. Without
+        ``params`` every sequence drafts greedily; with them, a sampled sequence draws from
+        its ``generators`` entry (None: torch's global generator).
 
         Raises :class:`~sluice.engine.models.step.StepError` for a draft past the model's
         positions or a block table too short, and
@@ -210,6 +232,7 @@ class NativeGreedyDraft:
         counts = torch.tensor(num_drafts, dtype=torch.long)
         max_drafts = max(num_drafts)
         drafts = torch.zeros((num_seqs, max_drafts), dtype=torch.long)
+        sampling = _Sampling.of(params, generators, num_drafts, max_drafts, config.vocab_size)
         transformer = model.transformer
         layers = self._layers()
         head_t = self._kernel_head()
@@ -239,15 +262,77 @@ class NativeGreedyDraft:
             cache.num_blocks,
             config.layer_norm_epsilon,
             torch.get_num_threads(),
+            *(sampling.pointers() if sampling is not None else (None,) * 5),
         )
         check_status(
             self._function(ctypes.byref(args)),
             num_blocks=cache.num_blocks,
-            what="greedy draft",
+            what="draft",
             refused=StepError(
-                f"greedy draft refused: positions {list(first_positions)}, catch-ups of "
+                f"draft refused: positions {list(first_positions)}, catch-ups of "
                 f"{[len(t) for t in catch_up]}, drafts {list(num_drafts)}, "
                 f"{config.n_positions} positions, tables of {max_blocks} blocks"
             ),
         )
-        return [row[:count] for row, count in zip(drafts.tolist(), num_drafts, strict=True)]
+        rows: list[list[int]] = drafts.tolist()
+        drafted = [row[:count] for row, count in zip(rows, num_drafts, strict=True)]
+        return NativeDrafts(drafted, None if sampling is None else sampling.probs)
+
+
+class NativeDrafts(NamedTuple):
+    """What :meth:`NativeDraft.draft` drafted: each sequence's tokens and, when any sampled,
+    every draft's ``q`` (``[num_seqs, max_drafts, vocab]``; a greedy sequence's rows, and
+    rows past a sequence's drafts, are zeros)."""
+
+    tokens: list[list[int]]
+    probs: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Sampling:
+    """The kernel's sampling arrays for one call."""
+
+    temperatures: torch.Tensor
+    top_ks: torch.Tensor
+    top_ps: torch.Tensor
+    uniforms: torch.Tensor
+    probs: torch.Tensor
+
+    @classmethod
+    def of(
+        cls,
+        params: Sequence[SamplingParams] | None,
+        generators: Sequence[torch.Generator | None] | None,
+        num_drafts: Sequence[int],
+        max_drafts: int,
+        vocab_size: int,
+    ) -> _Sampling | None:
+        """The arrays for ``params`` (a greedy sequence gets temperature 0), each sampled
+        sequence's uniforms drawn from its generator; None when every sequence is greedy."""
+        if params is None or all(p.greedy for p in params):
+            return None
+        if len(params) != len(num_drafts) or (
+            generators is not None and len(generators) != len(params)
+        ):
+            raise StepError("need sampling params (and a generator) per sequence")
+        uniforms = torch.zeros((len(params), max_drafts), dtype=torch.float64)
+        for i, (p, count) in enumerate(zip(params, num_drafts, strict=True)):
+            if not p.greedy:
+                generator = None if generators is None else generators[i]
+                uniforms[i, :count] = torch.rand(count, generator=generator, dtype=torch.float64)
+        return cls(
+            torch.tensor([0.0 if p.greedy else p.temperature for p in params]),
+            torch.tensor([p.top_k for p in params], dtype=torch.long),
+            torch.tensor([p.top_p for p in params]),
+            uniforms,
+            torch.zeros((len(params), max_drafts, vocab_size)),
+        )
+
+    def pointers(self) -> tuple[int, int, int, int, int]:
+        return (
+            self.temperatures.data_ptr(),
+            self.top_ks.data_ptr(),
+            self.top_ps.data_ptr(),
+            self.uniforms.data_ptr(),
+            self.probs.data_ptr(),
+        )
