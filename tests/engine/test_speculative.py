@@ -4,13 +4,20 @@ the block manager's lookahead blocks (no torch)."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
 from sluice.engine.block_manager import BlockManager
 from sluice.engine.scheduler import Scheduler, SchedulerConfig
 from sluice.engine.sequence import Sequence
-from sluice.engine.speculative import AdaptiveK, SpecDecodeStats, SpeculativeConfig, propose_ngram
+from sluice.engine.speculative import (
+    AdaptiveK,
+    SpecDecodeStats,
+    SpeculativeConfig,
+    _Growth,
+    propose_ngram,
+)
 
 
 def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
@@ -502,3 +509,28 @@ def test_accepted_tokens_fill_and_register_lookahead_blocks_for_prefix_caching()
     manager.free_lookahead(seq)
     assert len(seq.block_table) == 2
     assert manager.num_free_blocks == 6
+
+
+def test_the_running_growth_fit_is_the_fit_of_its_window() -> None:
+    """The context growth kept as running sums equals a fresh least-squares fit of the last
+    64 samples (within each k), through 3,000 samples of three k: sums added and taken away
+    as the window moves, and made again now and then."""
+    rng = random.Random(2)
+    growth = _Growth()
+    window: list[tuple[int, float, float]] = []
+    for n in range(3000):
+        k, context = rng.choice((0, 1, 3)), rng.uniform(20, 250)
+        seconds = 0.002 * (1 + k / 4) * math.exp(0.002 * context + rng.gauss(0, 0.05))
+        growth.add(k, context, seconds)
+        window = [*window, (k, context, math.log(seconds))][-64:]
+        if n % 97 == 0 or n == 2999:
+            covariance = variance = 0.0
+            for at_k in {k for k, _, _ in window}:
+                points = [(x, y) for kk, x, y in window if kk == at_k]
+                mean_x = sum(x for x, _ in points) / len(points)
+                mean_y = sum(y for _, y in points) / len(points)
+                covariance += sum((x - mean_x) * (y - mean_y) for x, y in points)
+                variance += sum((x - mean_x) ** 2 for x, _ in points)
+            expected = min(0.05, max(0.0, covariance / variance if variance > 0 else 0.0))
+            assert growth.per_token == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    assert growth.per_token == pytest.approx(0.002, rel=0.5)

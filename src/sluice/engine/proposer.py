@@ -19,7 +19,7 @@ catch-up too, when it is one token a sequence, as after a rejection) are laid ou
 :class:`~sluice.engine.models.decode.DecodeRounds` and run by the model's ``decode``, and
 greedy drafts stay one tensor a round (the token ids become Python ints once, at the end):
 each round is then mostly the draft model's own arithmetic. A float32 GPT-2 draft on the CPU
-drafts a step of a few sequences whose catch-ups are short in C instead, greedy or sampled
+drafts a step of up to 16 sequences whose catch-ups are short in C instead, greedy or sampled
 (:class:`~sluice.engine.models.native_draft.NativeDraft`: every round in one call, writing
 the same K/V), since a small draft's rounds are mostly the framework's time.
 """

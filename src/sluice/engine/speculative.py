@@ -87,6 +87,7 @@ _NUM_CATCH_UP_COSTS = 8
 # that growth is taken to be per token of context (measured on the bundled pair at a fixed
 # k: 0.34-0.44% a token at 16 and 64 streams, whatever k; learnt online, 0.2-0.6% there and
 # 0.03-0.1% at one stream).
+_GROWTH_RESUM_EVERY = 1024  # samples between fresh sums of the growth fit
 _GROWTH_SAMPLES = 64
 _MAX_GROWTH = 0.05
 # A larger k must score this much better than a smaller one: step costs are noisy, and the
@@ -274,27 +275,46 @@ class _Cost:
 class _Growth:
     """How a bucket's step cost grows with its sequences' context: the slope of the log of
     the cost against the mean context per sequence, fitted over the bucket's last steady
-    steps, within each ``k`` (a ``k``'s own steps differ in little but their context)."""
+    steps, within each ``k`` (a ``k``'s own steps differ in little but their context).
 
-    samples: deque[tuple[int, float, float]] = field(
-        default_factory=lambda: deque(maxlen=_GROWTH_SAMPLES)
-    )
+    The fit keeps running sums per ``k`` (count, x, y, x^2, xy) over the window, so a
+    sample costs a few additions, not a refit of the window (which cost ~30 us a step);
+    the sums are made again from the window now and then, so that rounding cannot pile up.
+    """
+
+    samples: deque[tuple[int, float, float]] = field(default_factory=deque)
+    sums: dict[int, list[float]] = field(default_factory=dict)
+    num_added: int = 0
     per_token: float = 0.0
 
     def add(self, k: int, context: float, seconds: float) -> None:
-        self.samples.append((k, context, math.log(max(seconds, 1e-12))))
-        by_k: dict[int, list[tuple[float, float]]] = {}
-        for at_k, x, y in self.samples:
-            by_k.setdefault(at_k, []).append((x, y))
+        sample = (k, context, math.log(max(seconds, 1e-12)))
+        self.samples.append(sample)
+        self._count(sample, 1.0)
+        if len(self.samples) > _GROWTH_SAMPLES:
+            self._count(self.samples.popleft(), -1.0)
+        self.num_added += 1
+        if self.num_added % _GROWTH_RESUM_EVERY == 0:
+            self.sums = {}
+            for old in self.samples:
+                self._count(old, 1.0)
         covariance = variance = 0.0
-        for points in by_k.values():
-            mean_x = sum(x for x, _ in points) / len(points)
-            mean_y = sum(y for _, y in points) / len(points)
-            covariance += sum((x - mean_x) * (y - mean_y) for x, y in points)
-            variance += sum((x - mean_x) ** 2 for x, _ in points)
+        for n, sum_x, sum_y, sum_xx, sum_xy in self.sums.values():
+            if n > 0:
+                covariance += sum_xy - sum_x * sum_y / n
+                variance += sum_xx - sum_x * sum_x / n
         # A step's cost never shrinks as its context grows; past the cap is noise.
-        slope = covariance / variance if variance > 0 else 0.0
+        slope = covariance / variance if variance > 1e-9 else 0.0
         self.per_token = min(_MAX_GROWTH, max(0.0, slope))
+
+    def _count(self, sample: tuple[int, float, float], sign: float) -> None:
+        k, x, y = sample
+        sums = self.sums.setdefault(k, [0.0, 0.0, 0.0, 0.0, 0.0])
+        sums[0] += sign
+        sums[1] += sign * x
+        sums[2] += sign * y
+        sums[3] += sign * x * x
+        sums[4] += sign * x * y
 
 
 class AdaptiveK:

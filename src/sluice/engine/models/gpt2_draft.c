@@ -2,10 +2,12 @@
  *
  * A small draft model spends most of a round in the framework, not in arithmetic: the
  * bundled 2-layer, 128-wide draft made about 30 torch calls a round, 0.35 ms, for a few
- * microseconds of products. Here each sequence runs its rounds one token at a time in C:
- * the catch-up tokens it is given (its last token, and any its draft cache lacks), then
- * each draft fed back in, K and V written to the draft's own paged cache as the torch model
- * would (native_draft.py drives it; paged_attention.c attends).
+ * microseconds of products. Here the rounds run in C: each sequence's catch-up tokens (its
+ * last token, and any its draft cache lacks), then each draft fed back in, K and V written
+ * to the draft's own paged cache as the torch model would (native_draft.py drives it;
+ * paged_attention.c attends). The sequences run together, a token of each at a time, so
+ * each matrix is read once a round for all of them: reading the weights is most of a
+ * round's time (one sequence's token, about 100 us, was mostly waiting for them).
  *
  * A sequence drafts greedily (the first maximum, as argmax), or samples: from
  * q = softmax(logits / temperature) after its top-k and top-p, by inverse CDF at a uniform
@@ -96,99 +98,148 @@ static inline float load1(const weight_t *p) { return _cvtsh_ss(*p); }
 static inline float load1(const weight_t *p) { return *p; }
 #endif
 
-/* out = x @ weight (+ bias), weight [n_in, n_out] row-major (HF's Conv1D; the LM head
- * transposed). With half weights: 64 outputs at a time held in eight vector registers
- * while every input's row adds in, so each output is written once and the FMAs of the
- * eight accumulators overlap; the rest one output at a time. Without: each output gets
- * four inputs' rows at a time, so it is read and written a quarter as often. */
-static void affine(const float *restrict x, const weight_t *restrict weight,
-                   const float *restrict bias, float *restrict out, int64_t n_in,
-                   int64_t n_out) {
-    int64_t o = 0;
+/* Rows of out = x @ weight (+ bias) for outputs [begin, end): weight [n_in, n_out]
+ * row-major (HF's Conv1D; the LM head transposed), x and out `nr` rows of `x_stride` and
+ * `out_stride` floats. With half weights the outputs go `nv` vectors (8 each) at a time,
+ * held in registers while every input's weight row adds into each of the nr rows: each
+ * weight is read once for all rows, each output written once, and the nr * nv
+ * accumulators' FMAs overlap. `nr` and `nv` are literals at each call, so this unrolls. */
+static inline __attribute__((always_inline)) void affine_block(
+    const float *restrict x, int64_t x_stride, const weight_t *restrict weight,
+    const float *restrict bias, float *restrict out, int64_t out_stride, int64_t n_in,
+    int64_t n_out, int64_t begin, int64_t end, const int nr, const int nv) {
+    int64_t o = begin;
 #if SLUICE_HALF_WEIGHTS
-    for (; o + 64 <= n_out; o += 64) {
-        __m256 acc[8];
-        for (int j = 0; j < 8; ++j)
-            acc[j] = bias == NULL ? _mm256_setzero_ps() : _mm256_loadu_ps(bias + o + 8 * j);
+    for (; o + 8 * nv <= end; o += 8 * nv) {
+        __m256 acc[4][8]; /* [nr][nv] used; fixed bounds so that they stay in registers */
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; ++r)
+#pragma GCC unroll 8
+            for (int v = 0; v < nv; ++v)
+                acc[r][v] = bias == NULL ? _mm256_setzero_ps() : _mm256_loadu_ps(bias + o + 8 * v);
         for (int64_t i = 0; i < n_in; ++i) {
-            const __m256 xi = _mm256_set1_ps(x[i]);
-            const weight_t *w = weight + i * n_out + o;
-            for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(xi, load8(w + 8 * j), acc[j]);
+            __m256 w[8];
+#pragma GCC unroll 8
+            for (int v = 0; v < nv; ++v) w[v] = load8(weight + i * n_out + o + 8 * v);
+#pragma GCC unroll 4
+            for (int r = 0; r < nr; ++r) {
+                const __m256 xi = _mm256_set1_ps(x[r * x_stride + i]);
+#pragma GCC unroll 8
+                for (int v = 0; v < nv; ++v) acc[r][v] = _mm256_fmadd_ps(xi, w[v], acc[r][v]);
+            }
         }
-        for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + o + 8 * j, acc[j]);
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; ++r)
+#pragma GCC unroll 8
+            for (int v = 0; v < nv; ++v) _mm256_storeu_ps(out + r * out_stride + o + 8 * v, acc[r][v]);
     }
-    for (; o < n_out; ++o) {
-        float acc = bias == NULL ? 0.f : bias[o];
-        for (int64_t i = 0; i < n_in; ++i) acc += x[i] * load1(weight + i * n_out + o);
-        out[o] = acc;
-    }
-#else
-    for (int64_t v = 0; v < n_out; ++v) out[v] = bias == NULL ? 0.f : bias[v];
-    int64_t i = 0;
-    for (; i + 4 <= n_in; i += 4) {
-        const weight_t *w0 = weight + i * n_out, *w1 = w0 + n_out, *w2 = w1 + n_out,
-                       *w3 = w2 + n_out;
-        for (o = 0; o < n_out; ++o)
-            out[o] += x[i] * load1(w0 + o) + x[i + 1] * load1(w1 + o) +
-                      x[i + 2] * load1(w2 + o) + x[i + 3] * load1(w3 + o);
-    }
-    for (; i < n_in; ++i)
-        for (o = 0; o < n_out; ++o) out[o] += x[i] * load1(weight + i * n_out + o);
 #endif
+    for (; o < end; ++o)
+        for (int r = 0; r < nr; ++r) {
+            float acc = bias == NULL ? 0.f : bias[o];
+            for (int64_t i = 0; i < n_in; ++i) acc += x[r * x_stride + i] * load1(weight + i * n_out + o);
+            out[r * out_stride + o] = acc;
+        }
 }
 
+/* affine_block over `n_rows` rows (in fours) for outputs [begin, end). */
+static void affine_rows(const float *restrict x, int64_t x_stride, const weight_t *restrict weight,
+                        const float *restrict bias, float *restrict out, int64_t out_stride,
+                        int64_t n_rows, int64_t n_in, int64_t n_out, int64_t begin, int64_t end) {
+    for (int64_t r = 0; r < n_rows; r += 4) {
+        const float *xr = x + r * x_stride;
+        float *outr = out + r * out_stride;
+        switch (n_rows - r < 4 ? n_rows - r : 4) {
+            case 1: affine_block(xr, x_stride, weight, bias, outr, out_stride, n_in, n_out, begin, end, 1, 8); break;
+            case 2: affine_block(xr, x_stride, weight, bias, outr, out_stride, n_in, n_out, begin, end, 2, 4); break;
+            case 3: affine_block(xr, x_stride, weight, bias, outr, out_stride, n_in, n_out, begin, end, 3, 2); break;
+            default: affine_block(xr, x_stride, weight, bias, outr, out_stride, n_in, n_out, begin, end, 4, 2); break;
+        }
+    }
+}
+
+/* out = x @ weight (+ bias) for n_rows rows (x [n_rows, n_in], out [n_rows, n_out]). */
+static void affine(const float *x, const weight_t *weight, const float *bias, float *out,
+                   int64_t n_rows, int64_t n_in, int64_t n_out) {
+    affine_rows(x, n_in, weight, bias, out, n_out, n_rows, n_in, n_out, 0, n_out);
+}
+
+/* Outputs a thread of the LM head takes at a time: a multiple of every block's width. */
+#define HEAD_CHUNK 512
+
+/* The LM head (no bias), its outputs split among `threads` in chunks. */
+static void head_affine(const float *x, const weight_t *weight, float *out, int64_t n_rows,
+                        int64_t n_in, int64_t n_out, int threads) {
+    const int64_t chunks = (n_out + HEAD_CHUNK - 1) / HEAD_CHUNK;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && chunks > 1) schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t end = (c + 1) * HEAD_CHUNK < n_out ? (c + 1) * HEAD_CHUNK : n_out;
+        affine_rows(x, n_in, weight, NULL, out, n_out, n_rows, n_in, n_out, c * HEAD_CHUNK, end);
+    }
+}
+
+/* A round's scratch: [rows, width] arrays, a row per sequence that runs. */
 typedef struct {
     float *hidden, *normed, *qkv, *attended, *inner, *logits, *scores, *work;
 } scratch;
 
-/* One token through the model at `position`, writing K/V; with `head`, its next-token
- * logits to s->logits (a catch-up token before the last needs none). */
-static void forward_token(const sluice_gpt2_draft_args *a, const int64_t *table,
-                          int64_t token, int64_t position, int head, scratch *s, int *status) {
-    const int64_t hidden = a->hidden, head_dim = a->hidden / a->num_heads;
-    for (int64_t i = 0; i < hidden; ++i)
-        s->hidden[i] = a->wte[token * hidden + i] + a->wpe[position * hidden + i];
-    const int64_t block = table[position / a->block_size];
-    if (block < 0 || block >= a->num_blocks) {
-        *status |= SLUICE_BAD_BLOCK;
-        return;
-    }
-    const int64_t slot = block * a->block_size + position % a->block_size;
-    const int64_t zero = 0, length = position + 1;
+/* One token of each of `n` sequences (`seqs`, their `tokens` at `positions`) through the
+ * model, writing their K/V (every block was checked); the first `n_head` of them (those
+ * whose next token is wanted) get their logits in s->logits. */
+static void forward_rows(const sluice_gpt2_draft_args *a, const int64_t *seqs,
+                         const int64_t *tokens, const int64_t *positions, int64_t n,
+                         int64_t n_head, scratch *s, int threads, int *status) {
+    const int64_t hidden = a->hidden, head_dim = a->hidden / a->num_heads, inner = a->inner;
+    for (int64_t r = 0; r < n; ++r)
+        for (int64_t i = 0; i < hidden; ++i)
+            s->hidden[r * hidden + i] =
+                a->wte[tokens[r] * hidden + i] + a->wpe[positions[r] * hidden + i];
     for (int64_t l = 0; l < a->num_layers; ++l) {
         const sluice_gpt2_layer *layer = a->layers + l;
-        layer_norm(s->hidden, layer->ln_1_weight, layer->ln_1_bias, s->normed, hidden, a->eps);
-        affine(s->normed, layer->c_attn_weight, layer->c_attn_bias, s->qkv, hidden, 3 * hidden);
-        for (int64_t i = 0; i < hidden; ++i) {
-            layer->k_cache[slot * hidden + i] = s->qkv[hidden + i];
-            layer->v_cache[slot * hidden + i] = s->qkv[2 * hidden + i];
+        for (int64_t r = 0; r < n; ++r)
+            layer_norm(s->hidden + r * hidden, layer->ln_1_weight, layer->ln_1_bias,
+                       s->normed + r * hidden, hidden, a->eps);
+        affine(s->normed, layer->c_attn_weight, layer->c_attn_bias, s->qkv, n, hidden, 3 * hidden);
+        for (int64_t r = 0; r < n; ++r) {
+            const int64_t *table = a->tables + seqs[r] * a->table_stride;
+            const int64_t position = positions[r], length = position + 1, zero = 0;
+            const int64_t slot = table[position / a->block_size] * a->block_size +
+                                 position % a->block_size;
+            const float *qkv = s->qkv + r * 3 * hidden;
+            for (int64_t i = 0; i < hidden; ++i) {
+                layer->k_cache[slot * hidden + i] = qkv[hidden + i];
+                layer->v_cache[slot * hidden + i] = qkv[2 * hidden + i];
+            }
+            const sluice_paged_attention_args attention = {
+                .q = qkv, .out = s->attended + r * hidden, .k_cache = layer->k_cache,
+                .v_cache = layer->v_cache, .rows = &zero, .row_seqs = &zero,
+                .row_lens = &length, .tables = table, .num_rows = 1, .q_stride = 3 * hidden,
+                .table_stride = a->table_stride, .num_heads = a->num_heads,
+                .num_kv_heads = a->num_heads, .head_dim = head_dim,
+                .block_size = a->block_size, .num_blocks = a->num_blocks,
+                .scale = 1.f / sqrtf((float)head_dim), .num_threads = 1,
+            };
+            *status |= attend_row_any(&attention, 0, s->scores);
         }
-        const sluice_paged_attention_args attention = {
-            .q = s->qkv, .out = s->attended, .k_cache = layer->k_cache,
-            .v_cache = layer->v_cache, .rows = &zero, .row_seqs = &zero, .row_lens = &length,
-            .tables = table, .num_rows = 1, .q_stride = 3 * hidden,
-            .table_stride = a->table_stride, .num_heads = a->num_heads,
-            .num_kv_heads = a->num_heads, .head_dim = head_dim, .block_size = a->block_size,
-            .num_blocks = a->num_blocks, .scale = 1.f / sqrtf((float)head_dim),
-            .num_threads = 1,
-        };
-        *status |= attend_row_any(&attention, 0, s->scores);
-        affine(s->attended, layer->attn_proj_weight, layer->attn_proj_bias, s->normed, hidden,
-               hidden);
-        for (int64_t i = 0; i < hidden; ++i) s->hidden[i] += s->normed[i];
-        layer_norm(s->hidden, layer->ln_2_weight, layer->ln_2_bias, s->normed, hidden, a->eps);
-        affine(s->normed, layer->c_fc_weight, layer->c_fc_bias, s->inner, hidden, a->inner);
-        for (int64_t i = 0; i < a->inner; ++i) { /* gelu_new: GELU, tanh approximation */
+        affine(s->attended, layer->attn_proj_weight, layer->attn_proj_bias, s->normed, n,
+               hidden, hidden);
+        for (int64_t i = 0; i < n * hidden; ++i) s->hidden[i] += s->normed[i];
+        for (int64_t r = 0; r < n; ++r)
+            layer_norm(s->hidden + r * hidden, layer->ln_2_weight, layer->ln_2_bias,
+                       s->normed + r * hidden, hidden, a->eps);
+        affine(s->normed, layer->c_fc_weight, layer->c_fc_bias, s->inner, n, hidden, inner);
+        for (int64_t i = 0; i < n * inner; ++i) { /* gelu_new: GELU, tanh approximation */
             const float x = s->inner[i];
             s->inner[i] = 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
         }
-        affine(s->inner, layer->mlp_proj_weight, layer->mlp_proj_bias, s->normed, a->inner,
+        affine(s->inner, layer->mlp_proj_weight, layer->mlp_proj_bias, s->normed, n, inner,
                hidden);
-        for (int64_t i = 0; i < hidden; ++i) s->hidden[i] += s->normed[i];
+        for (int64_t i = 0; i < n * hidden; ++i) s->hidden[i] += s->normed[i];
     }
-    if (!head) return;
-    layer_norm(s->hidden, a->ln_f_weight, a->ln_f_bias, s->normed, hidden, a->eps);
-    affine(s->normed, a->head, NULL, s->logits, hidden, a->vocab_size);
+    for (int64_t r = 0; r < n_head; ++r)
+        layer_norm(s->hidden + r * hidden, a->ln_f_weight, a->ln_f_bias, s->normed + r * hidden,
+                   hidden, a->eps);
+    if (n_head > 0) head_affine(s->normed, a->head, s->logits, n_head, hidden, a->vocab_size, threads);
 }
 
 static int64_t argmax(const float *values, int64_t n) {
@@ -280,13 +331,13 @@ static int64_t sample_token(const float *logits, int64_t vocab, float temperatur
     return chosen < 0 ? last : chosen; /* past the end only by rounding */
 }
 
-/* Sequence q's draft d from the logits just computed. */
-static int64_t next_token(const sluice_gpt2_draft_args *a, int64_t q, int64_t d, scratch *s) {
-    if (a->temperatures == NULL || a->temperatures[q] == 0.f)
-        return argmax(s->logits, a->vocab_size);
+/* Sequence q's draft d from its `logits`. */
+static int64_t next_token(const sluice_gpt2_draft_args *a, int64_t q, int64_t d,
+                          const float *logits, float *work) {
+    if (a->temperatures == NULL || a->temperatures[q] == 0.f) return argmax(logits, a->vocab_size);
     const int64_t at = q * a->max_drafts + d;
-    return sample_token(s->logits, a->vocab_size, a->temperatures[q], a->top_ks[q],
-                        a->top_ps[q], a->uniforms[at], a->probs + at * a->vocab_size, s->work);
+    return sample_token(logits, a->vocab_size, a->temperatures[q], a->top_ks[q], a->top_ps[q],
+                        a->uniforms[at], a->probs + at * a->vocab_size, work);
 }
 
 int sluice_gpt2_draft_f32(const sluice_gpt2_draft_args *a) {
@@ -311,38 +362,58 @@ int sluice_gpt2_draft_f32(const sluice_gpt2_draft_args *a) {
             if (!(u >= 0.0 && u < 1.0)) return SLUICE_BAD_SHAPE;
         }
     }
-    int threads = a->num_threads < 1 ? 1 : a->num_threads;
-    if (threads > a->num_seqs) threads = (int)a->num_seqs;
-    int status = 0;
-    const size_t floats = (size_t)(a->hidden * 6 + a->inner + 2 * a->vocab_size +
-                                   a->max_positions * a->num_heads);
-#pragma omp parallel num_threads(threads) reduction(| : status)
-    {
-        float *memory = (float *)malloc(sizeof(float) * floats);
-        if (memory == NULL) status |= SLUICE_NO_MEMORY;
-        scratch s = {memory, memory + a->hidden, memory + 2 * a->hidden,
-                     memory + 5 * a->hidden, memory + 6 * a->hidden,
-                     memory + 6 * a->hidden + a->inner,
-                     memory + 6 * a->hidden + a->inner + a->vocab_size,
-                     memory + 6 * a->hidden + a->inner + a->vocab_size +
-                         a->max_positions * a->num_heads};
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t q = 0; q < a->num_seqs; ++q) {
-            if (memory == NULL) continue;
-            const int64_t *table = a->tables + q * a->table_stride;
-            const int64_t *forced = a->forced + a->forced_start[q];
-            const int64_t num_forced = a->forced_start[q + 1] - a->forced_start[q];
-            int64_t *drafts = a->drafts + q * a->max_drafts, position = a->first_positions[q];
-            for (int64_t i = 0; i < num_forced; ++i)
-                forward_token(a, table, forced[i], position++, i == num_forced - 1, &s, &status);
-            drafts[0] = next_token(a, q, 0, &s);
-            for (int64_t d = 1; d < a->num_drafts[q]; ++d) {
-                forward_token(a, table, drafts[d - 1], position++, 1, &s, &status);
-                drafts[d] = next_token(a, q, d, &s);
-            }
-        }
-        free(memory);
+    /* Every block a token will be written to, checked before anything is. */
+    for (int64_t q = 0; q < a->num_seqs; ++q) {
+        const int64_t *table = a->tables + q * a->table_stride;
+        const int64_t runs = a->forced_start[q + 1] - a->forced_start[q] + a->num_drafts[q] - 1;
+        for (int64_t p = a->first_positions[q]; p < a->first_positions[q] + runs; ++p)
+            if (table[p / a->block_size] < 0 || table[p / a->block_size] >= a->num_blocks)
+                return SLUICE_BAD_BLOCK;
     }
-    if (status & SLUICE_NO_MEMORY) return SLUICE_NO_MEMORY;
+    const int64_t n = a->num_seqs, hidden = a->hidden;
+    const size_t floats = (size_t)(n * (6 * hidden + a->inner + a->vocab_size) +
+                                   a->max_positions * a->num_heads + a->vocab_size);
+    float *memory = (float *)malloc(sizeof(float) * floats);
+    int64_t *lanes = (int64_t *)malloc(sizeof(int64_t) * (size_t)(4 * n));
+    if (memory == NULL || lanes == NULL) {
+        free(memory);
+        free(lanes);
+        return SLUICE_NO_MEMORY;
+    }
+    scratch s = {memory, memory + n * hidden, memory + 2 * n * hidden, memory + 5 * n * hidden,
+                 memory + 6 * n * hidden, memory + n * (6 * hidden + a->inner),
+                 memory + n * (6 * hidden + a->inner + a->vocab_size),
+                 memory + n * (6 * hidden + a->inner + a->vocab_size) +
+                     a->max_positions * a->num_heads};
+    int64_t *seqs = lanes, *tokens = lanes + n, *positions = lanes + 2 * n, *drafts_at = lanes + 3 * n;
+    const int threads = a->num_threads < 1 ? 1 : a->num_threads;
+    int status = 0;
+    /* Round t runs token t of every sequence that has one: its catch-up tokens, then its
+     * drafts but the last. A sequence with F catch-up tokens wants logits from round F - 1
+     * on (its draft t - F + 1); those sequences go first in the round's rows. */
+    for (int64_t t = 0;; ++t) {
+        int64_t m = 0, m_head = 0;
+        for (int pass = 0; pass < 2; ++pass)
+            for (int64_t q = 0; q < n; ++q) {
+                const int64_t num_forced = a->forced_start[q + 1] - a->forced_start[q];
+                if (t >= num_forced + a->num_drafts[q] - 1) continue;
+                const int head = t >= num_forced - 1;
+                if (head != (pass == 0)) continue;
+                seqs[m] = q;
+                positions[m] = a->first_positions[q] + t;
+                tokens[m] = t < num_forced ? a->forced[a->forced_start[q] + t]
+                                           : a->drafts[q * a->max_drafts + t - num_forced];
+                drafts_at[m] = t - (num_forced - 1);
+                m_head += head;
+                ++m;
+            }
+        if (m == 0) break;
+        forward_rows(a, seqs, tokens, positions, m, m_head, &s, threads, &status);
+        for (int64_t r = 0; r < m_head; ++r)
+            a->drafts[seqs[r] * a->max_drafts + drafts_at[r]] =
+                next_token(a, seqs[r], drafts_at[r], s.logits + r * a->vocab_size, s.work);
+    }
+    free(memory);
+    free(lanes);
     return status & SLUICE_BAD_BLOCK ? SLUICE_BAD_BLOCK : status;
 }
