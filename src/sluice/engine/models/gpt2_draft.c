@@ -290,7 +290,8 @@ static int64_t sample_token(const float *logits, int64_t vocab, float temperatur
                             int64_t top_k, float top_p, double uniform, float *q, float *work) {
     float max = logits[0];
     for (int64_t v = 1; v < vocab; ++v) max = logits[v] > max ? logits[v] : max;
-    for (int64_t v = 0; v < vocab; ++v) q[v] = expf((logits[v] - max) / temperature);
+    const float inverse = 1.f / temperature;
+    for (int64_t v = 0; v < vocab; ++v) q[v] = exp_nonpositive((logits[v] - max) * inverse);
     if (top_k > 0 && top_k < vocab) { /* keep the k largest, and any tied with the k-th */
         const float kth = kth_largest(q, work, vocab, top_k);
         for (int64_t v = 0; v < vocab; ++v) q[v] = q[v] < kth ? 0.f : q[v];
@@ -320,15 +321,18 @@ static int64_t sample_token(const float *logits, int64_t vocab, float temperatur
     const double target = uniform * total;
     double cumulative = 0.0;
     int64_t chosen = -1, last = 0;
-    for (int64_t v = 0; v < vocab; ++v) {
+    for (int64_t v = 0; v < vocab && chosen < 0; ++v) {
         if (q[v] > 0.f) {
             cumulative += q[v];
             last = v;
-            if (chosen < 0 && cumulative > target) chosen = v;
+            if (cumulative > target) chosen = v;
         }
-        q[v] = (float)(q[v] / total);
     }
-    return chosen < 0 ? last : chosen; /* past the end only by rounding */
+    if (chosen < 0) /* past the end only by rounding: the last token with mass */
+        for (int64_t v = last + 1; v < vocab; ++v) last = q[v] > 0.f ? v : last;
+    const float scale = (float)(1.0 / total);
+    for (int64_t v = 0; v < vocab; ++v) q[v] *= scale;
+    return chosen < 0 ? last : chosen;
 }
 
 /* Sequence q's draft d from its `logits`. */
