@@ -15,12 +15,15 @@ each delivered: what a client sees per token), the drafts' acceptance rate, and 
 as a ratio to speculation off at the same concurrency and temperature.
 
 Targets (printed PASS/MISS): single-stream greedy tokens/s with the draft model >= 2x
-off; at 64 streams every mode >= 0.95x off, greedy and T=0.8. Problems (exit 1): greedy
-output that differs between modes in any row, or from ``transformers`` (a few prompts of
-``sluice-tiny``).
+off; at 64 streams every mode >= 0.95x off, greedy and T=0.8; and the slowest row of any
+mode, concurrency and temperature against off (the issue's "never slower than off", read
+within this machine's run-to-run noise: rows where speculation stays off, off against
+off, move between 0.93x and 1.04x here). Problems (exit 1): greedy output that differs
+between modes in any row, or from ``transformers`` (a few prompts of ``sluice-tiny``).
 
     .venv/bin/python bench/speculative.py            # ~5 min on 2 vCPUs
     .venv/bin/python bench/speculative.py --quick    # seconds: small sizes, same paths
+    .venv/bin/python bench/speculative.py --no-smol --temperatures 0.8   # sampled rows only
 """
 
 from __future__ import annotations
@@ -308,9 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     slowest = min((r for r in ratios.items() if r[0][3] != "off"), key=lambda item: item[1])
     (model, temperature, concurrency, mode), ratio = slowest
     print(
-        f"- slowest row, speculation on / off: {model} T={temperature:g} x{concurrency} "
-        f"{mode}, {ratio:.2f}x (never slower than off: {'PASS' if ratio >= 1 else 'MISS'}, "
-        "within this machine's noise of a few percent)"
+        f"- slowest row, speculation on / off: {model} T={temperature:g} x{concurrency} {mode}, "
+        f"{ratio:.2f}x (never slower than off, within this machine's run-to-run noise of "
+        f"+-5%: {'PASS' if ratio >= 0.95 else 'MISS'})"
     )
     if problems:
         print("\n## Problems\n")

@@ -87,9 +87,11 @@ _NUM_CATCH_UP_COSTS = 8
 # that growth is taken to be per token of context (measured on the bundled pair at a fixed
 # k: 0.34-0.44% a token at 16 and 64 streams, whatever k; learnt online, 0.2-0.6% there and
 # 0.03-0.1% at one stream).
-_GROWTH_RESUM_EVERY = 1024  # samples between fresh sums of the growth fit
 _GROWTH_SAMPLES = 64
 _MAX_GROWTH = 0.05
+# Samples between fresh sums of the growth fit (its running sums, made again from the
+# window so that rounding cannot pile up).
+_GROWTH_RESUM_EVERY = 1024
 # A larger k must score this much better than a smaller one: step costs are noisy, and the
 # smaller k is the cheaper mistake.
 _MARGIN = 1.05
