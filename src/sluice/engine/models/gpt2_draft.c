@@ -103,7 +103,8 @@ static inline float load1(const weight_t *p) { return *p; }
  * `out_stride` floats. With half weights the outputs go `nv` vectors (8 each) at a time,
  * held in registers while every input's weight row adds into each of the nr rows: each
  * weight is read once for all rows, each output written once, and the nr * nv
- * accumulators' FMAs overlap. `nr` and `nv` are literals at each call, so this unrolls. */
+ * accumulators' FMAs overlap. `nr` and `nv` are literals at each call, so this unrolls.
+ * Float32 weights (no F16C) stream each weight row into a row's outputs instead. */
 static inline __attribute__((always_inline)) void affine_block(
     const float *restrict x, int64_t x_stride, const weight_t *restrict weight,
     const float *restrict bias, float *restrict out, int64_t out_stride, int64_t n_in,
@@ -133,13 +134,26 @@ static inline __attribute__((always_inline)) void affine_block(
 #pragma GCC unroll 8
             for (int v = 0; v < nv; ++v) _mm256_storeu_ps(out + r * out_stride + o + 8 * v, acc[r][v]);
     }
-#endif
-    for (; o < end; ++o)
+    for (; o < end; ++o) /* the last few outputs, under a block's width */
         for (int r = 0; r < nr; ++r) {
             float acc = bias == NULL ? 0.f : bias[o];
             for (int64_t i = 0; i < n_in; ++i) acc += x[r * x_stride + i] * load1(weight + i * n_out + o);
             out[r * out_stride + o] = acc;
         }
+#else
+    /* Float32 weights: each row streams the weight rows into its outputs (vectorised by
+     * the compiler), a row at a time. */
+    (void)nv;
+    for (int r = 0; r < nr; ++r) {
+        float *restrict row = out + r * out_stride;
+        for (o = begin; o < end; ++o) row[o] = bias == NULL ? 0.f : bias[o];
+        for (int64_t i = 0; i < n_in; ++i) {
+            const float xi = x[r * x_stride + i];
+            const weight_t *w = weight + i * n_out;
+            for (o = begin; o < end; ++o) row[o] += xi * w[o];
+        }
+    }
+#endif
 }
 
 /* affine_block over `n_rows` rows (in fours) for outputs [begin, end). */
