@@ -141,12 +141,7 @@ def _rejection_rule(
     uniforms = uniforms.to(p.device)
     # u < p/q without dividing: q(x) > 0 as the draft drew x from q.
     accepted = uniforms[0] * q_draft < p_draft
-    residual = (p - q).clamp_min(0.0)
-    mass = residual.sum(dim=-1, keepdim=True)
-    # No residual mass means p <= q everywhere, so p == q and x is always accepted; the
-    # fallback to p only keeps the draw well-defined where float rounding rejected anyway.
-    residual = torch.where(mass > 0, residual, p)
-    replacement = invert_cdf(residual, uniforms[1])
+    replacement = _draw_residual(p, q, uniforms[1])
     return accepted, torch.where(accepted, draft_token_ids, replacement)
 
 
@@ -284,12 +279,11 @@ def accept_sampled_many(
             draw_uniform.append(uniform_starts[n] + 2 * k)
             subtract.append(len(tokens_of))  # the row of zeros
         at += k
-    targets = p[torch.tensor(draw_rows, dtype=torch.long)]
-    residual = (targets - draft_q[subtract].to(p.device)).clamp_min(0.0)
-    # No residual mass means p <= q everywhere, so p == q and x is always accepted; the
-    # fallback to p only keeps the draw well-defined where float rounding rejected anyway.
-    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, targets)
-    last = invert_cdf(residual, uniforms[draw_uniform].to(p.device)).tolist()
+    last = _draw_residual(
+        p[torch.tensor(draw_rows, dtype=torch.long)],
+        draft_q[subtract].to(p.device),
+        uniforms[draw_uniform].to(p.device),
+    ).tolist()
     chosen = [[*drafts[i][0][: kept[n]], last[n]] for n, i in enumerate(good)]
     # Each emitted token's logprob under the target's unfiltered distribution, one gather.
     gather_rows = [firsts[n] + j for n in range(len(good)) for j in range(len(chosen[n]))]
@@ -299,6 +293,15 @@ def accept_sampled_many(
     for n, (i, at) in enumerate(zip(good, _offsets([len(c) for c in chosen]), strict=True)):
         results[i] = (chosen[n], logprobs[at : at + len(chosen[n])])
     return results
+
+
+def _draw_residual(p: torch.Tensor, q: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """A token from ``norm(max(0, p - q))`` for each row, by inverse CDF at ``uniforms``."""
+    residual = (p - q).clamp_min(0.0)
+    # No residual mass means p <= q everywhere, so p == q and x is always accepted; the
+    # fallback to p only keeps the draw well-defined where float rounding rejected anyway.
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
+    return invert_cdf(residual, uniforms)
 
 
 def _offsets(sizes: Sequence[int]) -> list[int]:

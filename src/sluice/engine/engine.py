@@ -79,6 +79,22 @@ class _Request:
         self.num_cached_tokens: int | None = None  # prompt tokens from the prefix cache
 
 
+# One request's verify: its emitted tokens and their logprobs, or its exception.
+_Verified = tuple[list[int], list[float]] | Exception
+
+
+def _one_pass(
+    request_ids: list[int], verify: Callable[[], list[_Verified]]
+) -> dict[int, _Verified]:
+    """``verify()``'s outcomes by request; {} when there are none or it raised."""
+    if not request_ids:
+        return {}
+    try:
+        return dict(zip(request_ids, verify(), strict=True))
+    except Exception:
+        return {}
+
+
 class Engine:
     """Continuous-batching generation over a paged KV cache.
 
@@ -307,8 +323,7 @@ class Engine:
                 results[request_id] = (
                     one if isinstance(one, Exception) else ([one.token_id], [one.logprob])
                 )
-        results.update(self._verify_greedy(logits, drafts))
-        results.update(self._verify_sampled(logits, drafts))
+        results.update(self._verify_together(logits, drafts))
         for request_id, draft in drafts.items():
             if request_id in self._requests and request_id not in results:
                 results[request_id] = self._verify(request_id, logits[request_id], draft)
@@ -364,48 +379,29 @@ class Engine:
         except Exception as exc:
             return exc
 
-    def _verify_greedy(
+    def _verify_together(
         self, logits: dict[int, torch.Tensor], drafts: dict[int, Draft]
-    ) -> dict[int, tuple[list[int], list[float]] | Exception]:
-        """The greedy requests' verifies in one pass; {} if that pass raised (each is then
-        verified alone, so that only a faulty row fails)."""
-        greedy = [
-            request_id
-            for request_id in drafts
-            if request_id in self._requests and self._requests[request_id].params.greedy
-        ]
-        if self.speculator is None or not greedy:
+    ) -> dict[int, _Verified]:
+        """The live requests' verifies, the greedy ones in one pass and the sampled ones in
+        another; a pass that raised gives nothing (its requests are then verified alone, so
+        that only a faulty row fails)."""
+        speculator = self.speculator
+        live = [request_id for request_id in drafts if request_id in self._requests]
+        if speculator is None or not live:
             return {}
-        try:
-            outcomes = self.speculator.verify_greedy(
-                [(logits[request_id], drafts[request_id]) for request_id in greedy]
-            )
-        except Exception:
-            return {}
-        return dict(zip(greedy, outcomes, strict=True))
-
-    def _verify_sampled(
-        self, logits: dict[int, torch.Tensor], drafts: dict[int, Draft]
-    ) -> dict[int, tuple[list[int], list[float]] | Exception]:
-        """The sampled requests' verifies in one pass; {} if that pass raised (each is then
-        verified alone, so that only a faulty row fails)."""
+        greedy = [r for r in live if self._requests[r].params.greedy]
         sampled = [
-            request_id
-            for request_id in drafts
-            if request_id in self._requests and not self._requests[request_id].params.greedy
+            (r, self._requests[r].params) for r in live if not self._requests[r].params.greedy
         ]
-        if self.speculator is None or not sampled:
-            return {}
-        rows = []
-        for request_id in sampled:
-            params = self._requests[request_id].params
-            generator = self.sampler.generator_for(request_id, params)
-            rows.append((logits[request_id], drafts[request_id], params, generator))
-        try:
-            outcomes = self.speculator.verify_sampled(rows)
-        except Exception:
-            return {}
-        return dict(zip(sampled, outcomes, strict=True))
+        results = _one_pass(
+            greedy, lambda: speculator.verify_greedy([(logits[r], drafts[r]) for r in greedy])
+        )
+        rows = [
+            (logits[r], drafts[r], params, self.sampler.generator_for(r, params))
+            for r, params in sampled
+        ]
+        results.update(_one_pass([r for r, _ in sampled], lambda: speculator.verify_sampled(rows)))
+        return results
 
     def _fail(self, request: _Request, exc: Exception, produced_at: float) -> RequestOutput:
         """Abort one request whose row failed (between schedule and postprocess, which then
