@@ -169,7 +169,7 @@ class DraftModelProposer:
         slices = [self._catch_up(request) for request in requests]
         self._num_caught_up = sum(len(s.token_ids) - 1 for s in slices)
         self._catch_up_s = 0.0
-        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        q: list[torch.Tensor | None] = [None] * len(requests)  # each one's q, when sampled
         if (
             self._native is not None
             and len(requests) <= MAX_NATIVE_DRAFT_SEQUENCES
@@ -186,19 +186,18 @@ class DraftModelProposer:
             if native_probs is not None:
                 for i, request in enumerate(requests):
                     if not request.params.greedy:
-                        probs[i] = list(native_probs[i, : request.num_tokens])
+                        q[i] = native_probs[i, : request.num_tokens]
         else:
             with torch.inference_mode():
                 tokens, probs = self._draft(requests, slices)
+            q = [torch.stack(rows) if rows else None for rows in probs]
         drafts: dict[int, Draft] = {}
         for i, request in enumerate(requests):
             seq = request.seq
             state = self._states[seq.seq_id]
             # K/V was written for every draft but the last.
             state.start, state.pending = seq.num_tokens, tuple(tokens[i][:-1])
-            drafts[seq.seq_id] = Draft(
-                tuple(tokens[i]), torch.stack(probs[i]) if probs[i] else None
-            )
+            drafts[seq.seq_id] = Draft(tuple(tokens[i]), q[i])
         return drafts
 
     def _draft(

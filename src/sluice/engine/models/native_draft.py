@@ -9,8 +9,8 @@ drawn here from the request's generator, and returns ``q`` for the acceptance ru
 rule keeps the target's distribution whatever ``q`` is, as long as the draft drew from it.
 
 :class:`~sluice.engine.proposer.DraftModelProposer` asks :meth:`NativeDraft.for_model`
-once; when it gives a drafter, steps of a few sequences whose catch-ups are short draft
-through it, and the others through the torch model as before. The drafter
+once; when it gives a drafter, steps of up to 16 sequences whose catch-ups are short
+draft through it, and the others through the torch model as before. The drafter
 reads the model's parameters at every call (so a replaced or reloaded weight is never read
 stale) and writes K/V to the draft's own paged cache exactly where the torch rounds would.
 ``SLUICE_NATIVE_KERNELS=0`` turns it off, with the attention kernel.
