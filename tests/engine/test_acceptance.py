@@ -151,6 +151,7 @@ def test_sampled_sequence_all_accepted_draws_the_bonus_from_the_last_row() -> No
     assert accept_sampled([1], p, None) == [1, 2]
 
 
+@pytest.mark.usefixtures("kernel_path")
 def test_many_sequences_verified_at_once_each_keep_their_own_target() -> None:
     """20,000 sequences of two kinds (different targets, filters and drafts, alternating) in
     one call, one draft token each: every kind's first token is distributed as its own
@@ -184,6 +185,7 @@ def test_many_sequences_verified_at_once_each_keep_their_own_target() -> None:
         assert chi_square_p_value(bonuses, p[1]) > SIGNIFICANCE
 
 
+@pytest.mark.usefixtures("kernel_path")
 def test_a_sequence_verified_with_others_gets_what_it_gets_alone() -> None:
     """Seeded sequences draw from their own generators: the batch does not change a token,
     and a sequence with a broken row fails alone."""

@@ -21,7 +21,7 @@ from sluice.engine.models.decode import DecodeRounds
 from sluice.engine.models.head import LMHead
 from tests.engine.tiny_models import varied_gpt2
 
-pytestmark = pytest.mark.usefixtures("attention_path")
+pytestmark = pytest.mark.usefixtures("kernel_path")
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 32

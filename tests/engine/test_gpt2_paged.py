@@ -12,7 +12,7 @@ import torch
 from sluice.engine.kv_cache import KVCache, KVCacheError, slot_mapping
 from sluice.engine.models import GPT2Config, GPT2LMHeadModel, GPT2StepError, StepSequence
 
-pytestmark = pytest.mark.usefixtures("attention_path")
+pytestmark = pytest.mark.usefixtures("kernel_path")
 
 CONFIG = GPT2Config(vocab_size=101, n_positions=128, n_embd=64, n_layer=2, n_head=4)
 BLOCK_SIZE = 8

@@ -13,7 +13,7 @@ import torch
 from sluice.engine.kv_cache import KVCache
 from sluice.engine.models import GPT2StepError, LlamaConfig, LlamaForCausalLM, StepSequence
 
-pytestmark = pytest.mark.usefixtures("attention_path")
+pytestmark = pytest.mark.usefixtures("kernel_path")
 
 CONFIG = LlamaConfig(
     vocab_size=97,

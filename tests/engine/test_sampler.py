@@ -20,6 +20,9 @@ from sluice.engine.sampler import (
 )
 from sluice.engine.sampling_params import GREEDY_TEMPERATURE, MAX_TEMPERATURE, SamplingParams
 
+# Every test runs on the C sampling kernel and on the torch path (conftest.kernel_path).
+pytestmark = pytest.mark.usefixtures("kernel_path")
+
 # The temperatures of the probe's attack, and values about the greedy threshold.
 TINY_TEMPERATURES = [5e-324, 1e-300, 1e-40, 1e-38, 1e-30, 1e-10, GREEDY_TEMPERATURE / 2]
 

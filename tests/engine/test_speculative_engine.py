@@ -30,7 +30,7 @@ from tests.engine.test_native_draft import last_logits
 from tests.engine.tiny_models import varied_gpt2
 
 # Drafting in C (a GPT-2 draft, greedy) and by the torch rounds, attention either way.
-pytestmark = pytest.mark.usefixtures("attention_path")
+pytestmark = pytest.mark.usefixtures("kernel_path")
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0)
 # A draft of the same vocabulary and positions, half the size: it mostly disagrees.

@@ -23,7 +23,11 @@ target samples from without speculation.
 Nothing here knows of sequences or caches: tensors and token ids in, token ids out.
 :func:`accept_greedy_many` applies the greedy rule to many sequences' rows in one pass (one
 argmax, one log-softmax), as the sampler does for plain greedy rows: per sequence, those few
-tensor calls were most of a 64-sequence step's verify bookkeeping.
+tensor calls were most of a 64-sequence step's verify bookkeeping. On the CPU,
+:func:`accept_sampled_many` runs in C when it can
+(:class:`~sluice.engine.models.native_sampling.NativeSampling`: the same rule and the same
+uniforms, a row's ``p`` made only when the rule reaches it); the torch code here is the
+rule's reference and the path everywhere else.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from collections.abc import Sequence
 
 import torch
 
+from sluice.engine.models.native_sampling import MAX_VERIFY_DRAFTS, load_native_sampling
 from sluice.engine.sampler import (
     NonFiniteLogitsError,
     draw_tokens,
@@ -226,6 +231,11 @@ def accept_sampled_many(
     if logits.dim() != 2 or logits.shape[0] != sum(sizes):
         raise ValueError(f"drafts need {sum(sizes)} rows of logits, got {tuple(logits.shape)}")
     rows = logits.float()
+    native = load_native_sampling() if rows.device.type == "cpu" else None
+    if native is not None and max(sizes) <= MAX_VERIFY_DRAFTS + 1:
+        uniforms = draw_uniforms(generators, [2 * size - 1 for size in sizes])
+        outcomes = native.verify(rows, drafts, params, uniforms)
+        return [NonFiniteLogitsError() if outcome is None else outcome for outcome in outcomes]
     finite = torch.isfinite(rows.max(dim=-1).values).tolist()
     starts = _offsets(sizes)
     good = [i for i, start in enumerate(starts) if all(finite[start : start + sizes[i]])]

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sluice.engine.models.native_build import NativeKernelError
+from sluice.engine.models.native_sampling import NativeSampling, load_native_sampling
 from sluice.engine.sampling_params import SamplingParams
 
 __all__ = [
@@ -187,6 +189,55 @@ class Sampler:
         if logits.dim() != 2 or not logits.shape[0] == len(params) == len(request_ids):
             raise ValueError("logits must be [batch, vocab] with one params per row")
         rows = logits.float()
+        native = load_native_sampling() if rows.device.type == "cpu" else None
+        sampled = [row for row, row_params in enumerate(params) if not row_params.greedy]
+        if native is None or not sampled:
+            return self._sample_torch(rows, params, request_ids)
+        try:
+            drawn = self._sample_native(native, rows, sampled, params, request_ids)
+        except NativeKernelError:  # not expected (params are validated): the torch path
+            return self._sample_torch(rows, params, request_ids)
+        if len(sampled) == len(params):
+            return drawn
+        results: list[Sampled | Exception] = []
+        others = [row for row, row_params in enumerate(params) if row_params.greedy]
+        index = torch.tensor(others, device=rows.device)
+        rest = iter(
+            self._sample_torch(
+                rows[index], [params[row] for row in others], [request_ids[row] for row in others]
+            )
+        )
+        done = iter(drawn)
+        for row_params in params:
+            results.append(next(rest) if row_params.greedy else next(done))
+        return results
+
+    def _sample_native(
+        self,
+        native: NativeSampling,
+        rows: torch.Tensor,
+        sampled: list[int],
+        params: Sequence[SamplingParams],
+        request_ids: Sequence[int],
+    ) -> list[Sampled | Exception]:
+        """The ``sampled`` rows' tokens through the C kernel, in order."""
+        if len(sampled) < rows.shape[0]:
+            rows = rows[torch.tensor(sampled)]
+        generators = [self.generator_for(request_ids[row], params[row]) for row in sampled]
+        uniforms = draw_uniforms(generators, [1] * len(sampled))
+        tokens, logprobs = native.sample(rows, [params[row] for row in sampled], uniforms)
+        return [
+            NonFiniteLogitsError() if token < 0 else Sampled(token, logprob)
+            for token, logprob in zip(tokens, logprobs, strict=True)
+        ]
+
+    def _sample_torch(
+        self,
+        rows: torch.Tensor,
+        params: Sequence[SamplingParams],
+        request_ids: Sequence[int],
+    ) -> list[Sampled | Exception]:
+        """:meth:`sample` in torch (``rows`` float32)."""
         log_probs = torch.log_softmax(rows, dim=-1)
         # The max is NaN when a row holds a NaN, +inf with a +inf, -inf when all are -inf.
         # Its indices are each row's first maximum, argmax's rule, at a third of the cost of
