@@ -9,7 +9,9 @@ holder of its resume token (``?token=`` or the header). Answers:
 - ``204`` when ``after`` is at or past the terminal event: nothing more will come;
 - ``410`` ``resume_gap`` when the log no longer holds the position;
 - ``400`` naming the parameter for a bad ``after`` or ``timeout_s``; ``404`` for a stream
-  the caller may not read, known or not.
+  the caller may not read, known or not;
+- ``503`` with ``Retry-After`` when the stream is another replica's and Redis cannot
+  serve it here (:meth:`~sluice.streams.redis_hub.RedisStreamHub.attach`).
 
 A poll holds a reader while it runs, so it counts as the stream's reader for the grace
 window: the window stops while a poll is held and starts again when it answers. (A stream

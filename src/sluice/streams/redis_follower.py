@@ -104,8 +104,9 @@ class RedisFollower:
         """Mirror a stream written elsewhere until :meth:`unfollow`; raises
         :class:`RedisUnavailableError`."""
         following = self._following.get(stream_id)
-        if following is not None:
-            await asyncio.shield(following.ready)
+        if following is not None:  # followed, or being loaded by another request
+            if not await asyncio.shield(following.ready):
+                raise RedisUnavailableError("Redis went away while the stream loaded")
             return
         pubsub = self._pubsub
         if pubsub is None:

@@ -21,10 +21,14 @@ producer, as one process would; what the others need is in Redis (key names in
 - **Producer lease**: the owner refreshes its streams' leases every heartbeat, and every
   replica sweeps expired ones (:mod:`sluice.streams.redis_registry`): a dead producer's
   stream gets exactly one retryable ``Error("unavailable")``.
-- **Redis unavailable**: a creation is refused at once (``CapacityError``: 503 with
-  ``Retry-After``); a live stream's producer ends it with a retryable error for its local
-  readers (the log raises), and the lease gives Redis's copy its terminal event once Redis
-  is back; readers of followed streams are dropped so their clients resume.
+- **Redis unavailable**: a creation, and a read, resume, status or cancel of a stream
+  another replica runs that Redis cannot look up or mirror (its record unread, or no
+  subscription to follow it by), is refused at once
+  (:func:`~sluice.streams.redis_registry.registry_unavailable`, a ``CapacityError``: 503
+  with ``Retry-After``; an SSE read gets its ``retry:`` hint); a live stream's producer
+  ends it with a retryable error for its local readers (the log raises), and the lease
+  gives Redis's copy its terminal event once Redis is back; readers of followed streams
+  are dropped so their clients resume, and the next read follows the stream again.
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from redis.exceptions import RedisError
 
 from sluice.backends.base import Backend, GenerationRequest
-from sluice.errors import CapacityError
 from sluice.events import Error, Finished, FinishReason, NeutralEvent, RenderMeta
 from sluice.streams.hub import HubSettings, Stream, StreamHub, StreamObserver
 from sluice.streams.ids import new_stream_id
@@ -51,8 +54,13 @@ from sluice.streams.redis_codec import (
     replica_control_channel,
     text_fields,
 )
-from sluice.streams.redis_log import WRITE_TIMEOUT_S, RedisEventLog
-from sluice.streams.redis_registry import DEFAULT_LEASE_S, ClusterSettings, RedisRegistry
+from sluice.streams.redis_log import WRITE_TIMEOUT_S, RedisEventLog, RedisUnavailableError
+from sluice.streams.redis_registry import (
+    DEFAULT_LEASE_S,
+    ClusterSettings,
+    RedisRegistry,
+    registry_unavailable,
+)
 from sluice.streams.sizing import LOG_BYTES
 from sluice.streams.state import StreamState
 
@@ -170,11 +178,7 @@ class RedisStreamHub(StreamHub):
             async with asyncio.timeout(WRITE_TIMEOUT_S):
                 answer = await self._client.hgetall(meta_key(stream_id))
         except (RedisError, OSError, TimeoutError) as exc:
-            raise CapacityError(
-                "the shared stream registry (Redis) is unavailable",
-                retry_after_s=self.settings.retry_after_s,
-                reason="registry_unavailable",
-            ) from exc
+            raise registry_unavailable(self.settings) from exc
         fields = {k: v for k, v in answer.items() if isinstance(k, bytes) and isinstance(v, bytes)}
         if not fields:
             return
@@ -182,27 +186,29 @@ class RedisStreamHub(StreamHub):
         owner = record.get("owner", "")
         if owner == self.replica_id:
             return  # this replica's own stream, forgotten here: gone
-        stream = self._remote.get(stream_id)
-        if stream is None:
-            render = decode_render(fields.get(b"render", b""))
-            if self.on_follow is not None and not self._redis_log.follows(stream_id):
-                self.on_follow(stream_id, render)
+        render = decode_render(fields.get(b"render", b""))
+        # Followed again if Redis dropped its mirror while a reader here held it (the
+        # stream lingers in ``_remote`` until then); a no-op for a stream followed now.
+        if self.on_follow is not None and not self._redis_log.follows(stream_id):
+            self.on_follow(stream_id, render)
+        try:
             await self._redis_log.follow(stream_id)
-            if stream_id in self._remote:  # attached meanwhile by another request
-                stream = self._remote[stream_id]
-            else:
-                stream = Stream(
-                    id=stream_id,
-                    model=record.get("model", ""),
-                    resumable=record.get("resumable") == "1",
-                    grace_s=float(record.get("grace_s", "0")),
-                    created=float(record.get("created", "0")),
-                    tenant=record.get("tenant", "anonymous"),
-                    render=render,
-                )
-                self._remote[stream_id] = stream
-                self._owners[stream_id] = owner
-                self._arm_release(stream)
+        except RedisUnavailableError as exc:  # the subscription is down: no mirror
+            raise registry_unavailable(self.settings) from exc
+        stream = self._remote.get(stream_id)  # attached meanwhile by another request?
+        if stream is None:
+            stream = Stream(
+                id=stream_id,
+                model=record.get("model", ""),
+                resumable=record.get("resumable") == "1",
+                grace_s=float(record.get("grace_s", "0")),
+                created=float(record.get("created", "0")),
+                tenant=record.get("tenant", "anonymous"),
+                render=render,
+            )
+            self._remote[stream_id] = stream
+            self._owners[stream_id] = owner
+            self._arm_release(stream)
         self._refresh(stream, record)
 
     def _refresh(self, stream: Stream, record: Mapping[str, str]) -> None:

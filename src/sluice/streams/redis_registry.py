@@ -53,7 +53,7 @@ from sluice.streams.redis_scripts import ADMIT, CLOSE, REAP
 from sluice.streams.redis_writer import WRITE_TIMEOUT_S
 from sluice.streams.sizing import LOG_BYTES
 
-__all__ = ["DEFAULT_LEASE_S", "ClusterSettings", "RedisRegistry"]
+__all__ = ["DEFAULT_LEASE_S", "ClusterSettings", "RedisRegistry", "registry_unavailable"]
 
 # The issue's bound: a dead producer's streams end within 5 s.
 DEFAULT_LEASE_S = 5.0
@@ -95,7 +95,12 @@ def _count_keys(tenant: str) -> list[str]:
     return [LIVE_KEY, tenant_live_key(tenant), LEASES_KEY, LOG_BYTES_KEY, TENANT_LOG_BYTES_KEY]
 
 
-def _unavailable(settings: HubSettings) -> CapacityError:
+def registry_unavailable(settings: HubSettings) -> CapacityError:
+    """What a request Redis could not serve is refused with (``503`` + ``Retry-After``; an
+    SSE read gets its ``retry:`` hint): a creation's admission, or the look-up and mirror
+    of a stream another replica runs
+    (:meth:`~sluice.streams.redis_hub.RedisStreamHub.attach`). Raise it ``from`` Redis's
+    error."""
     return CapacityError(
         "the shared stream registry (Redis) is unavailable",
         retry_after_s=settings.retry_after_s,
@@ -138,7 +143,7 @@ class RedisRegistry:
             async with asyncio.timeout(WRITE_TIMEOUT_S):
                 answer = await self._client.eval(ADMIT, len(keys), *keys, *args)
         except (RedisError, OSError, TimeoutError) as exc:
-            raise _unavailable(settings) from exc
+            raise registry_unavailable(settings) from exc
         retry_after_s = settings.retry_after_s
         if answer == b"tenant":
             raise TenantLimitError(
@@ -183,7 +188,7 @@ class RedisRegistry:
                     await pipe.execute()
             except (RedisError, OSError, TimeoutError):
                 logger.warning("stream %s: admitted, then Redis went away", stream_id)
-            raise _unavailable(settings) from exc
+            raise registry_unavailable(settings) from exc
 
     def closing(self, stream_id: str, tenant: str, num_bytes: int, ttl_s: int) -> list[Command]:
         """The commands that take a stream out of the live counts and the leases (and,

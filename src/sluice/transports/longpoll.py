@@ -115,9 +115,14 @@ async def hold(reader: Reader, timeout_s: float, max_events: int = MAX_POLL_EVEN
     for another reason: its client left, the server drops it). Raises what
     :meth:`~sluice.streams.reader.Reader.read` raises."""
     batch = reader.read(max_events)
-    if batch.events or reader.done or reader.interrupted or timeout_s <= 0:
+    if batch.events or reader.done or timeout_s <= 0:
         return batch
-    await reader.wait(timeout_s)
+    if not reader.interrupted:
+        await reader.wait(timeout_s)
+    if reader.interrupted:
+        # The server asked the reader to go: its client polls again from the same cursor
+        # (the log may be gone meanwhile: a replica that lost Redis drops its mirror).
+        return batch
     return reader.read(max_events)
 
 
