@@ -128,9 +128,24 @@ def test_openapi_describes_every_route_without_a_key(fuzzed_server: ServerProces
     assert set(create["responses"]) >= {
         *("201", "400", "401", "404", "413", "415", "421", "429", "503")
     }
+    unavailable = create["responses"]["503"]
+    assert set(unavailable["headers"]) == {"Retry-After"}
+    assert unavailable["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/Error"
+    }
+    # With --redis, every other route on one stream is refused the same way while Redis
+    # cannot serve a stream another replica runs.
+    for path, method in (
+        ("/v1/streams/{stream_id}", "get"),
+        ("/v1/streams/{stream_id}/cancel", "post"),
+        ("/v1/streams/{stream_id}/drop", "post"),
+        ("/v1/streams/{stream_id}/poll", "get"),
+    ):
+        assert document["paths"][path][method]["responses"]["503"] == unavailable, path
     events = document["paths"]["/v1/streams/{stream_id}/events"]["get"]["responses"]
     assert set(events["200"]["content"]) == {"text/event-stream"}
     assert {"204", "410", "421"} <= set(events)
+    assert "503" not in events  # an SSE read is refused with a retry: hint instead
 
 
 @pytest.mark.parametrize(("method", "path", "mode", "known"), _fuzzed_cases())

@@ -23,6 +23,7 @@ __all__ = [
     "read_resuming",
     "read_sse",
     "replicas",
+    "retrying",
     "text_of",
     "wait_until",
 ]
@@ -99,15 +100,45 @@ def kv_blocks_used(server: ServerProcess, model: str = "sluice-tiny") -> float:
     raise AssertionError("no sluice_engine_kv_blocks_used sample")
 
 
-def wait_until(condition: object, what: str, timeout_s: float = 10.0) -> None:
+def wait_until(
+    condition: object, what: str, timeout_s: float = 10.0, *, interval_s: float = 0.02
+) -> None:
     """Poll an observable condition (a callable returning truthy) with a deadline."""
     assert callable(condition)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if condition():
             return
-        time.sleep(0.02)  # polling an observable condition with a deadline
+        time.sleep(interval_s)  # polling an observable condition with a deadline
     raise AssertionError(f"never happened: {what}")
+
+
+# How long a client here waits before asking again after a 503's Retry-After. The server's
+# is whole seconds (at least 1); a test needs the retry to happen, not the whole wait.
+MAX_RETRY_WAIT_S = 0.25
+
+
+def retrying(
+    request: Callable[[], httpx.Response], what: str, timeout_s: float = 10.0
+) -> httpx.Response:
+    """The answer to ``request``, asked again as a client does while it is a ``503`` with
+    ``Retry-After``, which a replica answers a read of a stream another replica runs while
+    Redis cannot serve it (its subscription down for a moment, as on a loaded machine). Between
+    tries it waits :data:`MAX_RETRY_WAIT_S` (the server's ``Retry-After``, capped), and it
+    asks for ``timeout_s`` at most. Any other answer, a ``503`` without ``Retry-After``
+    included, is returned as it is, for the test to judge."""
+    answer: httpx.Response | None = None
+
+    def answered() -> bool:
+        nonlocal answer
+        answer = request()
+        return not (answer.status_code == 503 and "retry-after" in answer.headers)
+
+    wait_until(
+        answered, f"{what} (503 + Retry-After until then)", timeout_s, interval_s=MAX_RETRY_WAIT_S
+    )
+    assert answer is not None
+    return answer
 
 
 _TERMINAL = ("done", "error")

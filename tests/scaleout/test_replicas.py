@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -16,7 +17,15 @@ import pytest
 
 from sluice.sse import Decoder
 from tests.redis_server import RedisServer
-from tests.scaleout.replicas import kill, kv_blocks_used, read_sse, replicas, text_of, wait_until
+from tests.scaleout.replicas import (
+    kill,
+    kv_blocks_used,
+    read_sse,
+    replicas,
+    retrying,
+    text_of,
+    wait_until,
+)
 from tests.server import ServerProcess, wait_for_state
 
 # Several processes start per test (seconds each on a loaded machine).
@@ -247,10 +256,12 @@ def test_long_poll_on_another_replica_reads_the_whole_stream(redis_url: str) -> 
     with replicas(redis_url, 2) as (a, b):
         text = words(40)
         stream_id = create(a, text)["id"]
+        url = f"{b.base_url}/v1/streams/{stream_id}/poll"
         after = f"{stream_id}:0"
         received: list[dict[str, object]] = []
         for _ in range(200):
-            polled = httpx.get(f"{b.base_url}/v1/streams/{stream_id}/poll", params={"after": after})
+            # The same cursor again after a 503 + Retry-After (Redis out for a moment).
+            polled = retrying(partial(httpx.get, url, params={"after": after}), f"poll {after}")
             if polled.status_code == 204:
                 break
             assert polled.status_code == 200, polled.text
@@ -274,7 +285,8 @@ def test_a_durable_streams_read_on_another_replica_follows_the_whole_generation(
         url = f"{b.base_url}/v1/ds/streams/{stream_id}"
         offset, messages = "-1", []
         for _ in range(200):
-            answer = httpx.get(url, params={"offset": offset, "live": "long-poll"}, timeout=30)
+            query = {"offset": offset, "live": "long-poll"}
+            answer = retrying(partial(httpx.get, url, params=query, timeout=30), f"read {offset}")
             assert answer.status_code in (200, 204), answer.text
             if answer.status_code == 200:
                 messages.extend(answer.json())

@@ -83,6 +83,8 @@ def _header(description: str, *, required: bool = False) -> JSON:
 
 
 _RETRY_AFTER = _header("seconds to wait before retrying")
+# What an SSE read answers where others answer 503: EventSource stops on any other status.
+_RETRY_HINT = "only a `retry:` hint when the server is full or Redis cannot serve the stream"
 
 
 def _error(description: str, schema: str, *, headers: JSON | None = None) -> JSON:
@@ -118,7 +120,11 @@ def _errors(schema: str, statuses: Iterable[int]) -> dict[str, JSON]:
         429: "the tenant holds its maximum number of streams",
         431: "request header lines over 16 KiB in all",
         502: "the backend failed before the stream started",
-        503: "the server or the engine's queue is full, or the server is draining",
+        503: (
+            "refused for now: the server is full (connections, streams or the engine's"
+            " queue) or draining, or, with --redis, Redis cannot serve the request (a"
+            " creation's admission, or a stream another replica runs)"
+        ),
     }
     responses: dict[str, JSON] = {}
     for status in statuses:
@@ -211,6 +217,9 @@ def _native_paths(settings: Settings) -> dict[str, JSON]:
         "maximum": settings.requests.max_tokens_limit,
     }
     head = (400, 401, 404, *_BEFORE_ROUTING)
+    # With --redis a stream another replica runs is looked up and followed through Redis:
+    # 503 + Retry-After while Redis cannot (an SSE read gets a retry: hint instead).
+    followed = (*head, 503)
     sse_head = (*head, 410)
     sse = _ref("NativeEvent")
     return {
@@ -227,7 +236,7 @@ def _native_paths(settings: Settings) -> dict[str, JSON]:
             "get": _operation(
                 "getStream",
                 "Describe a stream",
-                {**_ok("the stream", _ref("Stream")), **_errors("Error", head)},
+                {**_ok("the stream", _ref("Stream")), **_errors("Error", followed)},
                 security=_security(stream=True),
                 parameters=on_stream,
             )
@@ -237,7 +246,7 @@ def _native_paths(settings: Settings) -> dict[str, JSON]:
                 "readStream",
                 "Read a stream's events (SSE), replaying after Last-Event-ID",
                 {
-                    **_ok("the events, then live ones", sse, _SSE),
+                    **_ok(f"the events, then live ones (or {_RETRY_HINT})", sse, _SSE),
                     "204": {"description": "the stream is over: nothing left to send"},
                     **_errors("Error", sse_head),
                 },
@@ -251,7 +260,7 @@ def _native_paths(settings: Settings) -> dict[str, JSON]:
                 "Cancel a stream",
                 {
                     "202": {"description": "cancelling", "content": _content(_ref("Stream"))},
-                    **_errors("Error", head),
+                    **_errors("Error", followed),
                 },
                 security=_security(stream=True),
                 parameters=on_stream,
@@ -261,7 +270,7 @@ def _native_paths(settings: Settings) -> dict[str, JSON]:
             "post": _operation(
                 "dropConnections",
                 "Close every connection reading a stream (its clients resume)",
-                {**_ok("dropped", _ref("Dropped")), **_errors("Error", head)},
+                {**_ok("dropped", _ref("Dropped")), **_errors("Error", followed)},
                 security=_security(stream=True),
                 parameters=on_stream,
             )
@@ -273,7 +282,7 @@ def _native_paths(settings: Settings) -> dict[str, JSON]:
                 {
                     **_ok("the events after the cursor (none: timed out)", _ref("PollAnswer")),
                     "204": {"description": "the stream is over: nothing after the cursor"},
-                    **_errors("Error", sse_head),
+                    **_errors("Error", (*followed, 410)),
                 },
                 security=_security(stream=True),
                 parameters=[
@@ -298,7 +307,7 @@ def _native_paths(settings: Settings) -> dict[str, JSON]:
                 "demoWords",
                 "Start a resumable `words` stream and read it (SSE)",
                 {
-                    **_ok("the events (or only a retry hint when full)", sse, _SSE),
+                    **_ok(f"the events (or {_RETRY_HINT})", sse, _SSE),
                     "204": {"description": "the resumed stream is over"},
                     **_errors("Error", (*sse_head, 429)),
                 },
