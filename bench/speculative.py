@@ -308,12 +308,23 @@ def main(argv: list[str] | None = None) -> int:
     if greedy:
         identical = not any("greedy output differs" in p for p in problems)
         print(f"- greedy output identical in every row: {'PASS' if identical else 'MISS'}")
+    # Never slower than off: each row's median at or above off's own slowest run in the same
+    # row (its runs alternate with off's), or within 5% of off's median. Off's runs spread
+    # by a few percent on this shared machine; a row where speculation stays off is off
+    # against off, and only this can tell its ratio from noise.
     slowest = min((r for r in ratios.items() if r[0][3] != "off"), key=lambda item: item[1])
     (model, temperature, concurrency, mode), ratio = slowest
+    off_row = next(
+        r
+        for r in rows
+        if (r.model, r.temperature, r.concurrency, r.mode) == (*slowest[0][:3], "off")
+    )
+    off_floor = min(run.tokens_per_s for run in off_row.runs) / off_row.median("tokens_per_s")
     print(
         f"- slowest row, speculation on / off: {model} T={temperature:g} x{concurrency} {mode}, "
-        f"{ratio:.2f}x (never slower than off, within this machine's run-to-run noise of "
-        f"+-5%: {'PASS' if ratio >= 0.95 else 'MISS'})"
+        f"{ratio:.2f}x; off's own slowest run in that row: {off_floor:.2f}x of its median "
+        f"(never slower than off, within off's own spread or 5%: "
+        f"{'PASS' if ratio >= min(0.95, off_floor) else 'MISS'})"
     )
     if problems:
         print("\n## Problems\n")
