@@ -8,7 +8,8 @@ with the bundled draft model (``models/sluice-tiny-draft``, adaptive k up to
 ``--k``) and with prompt lookup (n-gram); on ``sluice-tiny`` and on SmolLM2-135M
 (the default model, its GGUF; n-gram only, fewer tokens, ``--no-smol`` to skip it).
 
-Per row (medians of ``--reps`` repetitions, the modes' order rotating between them):
+Per row (medians of ``--reps`` repetitions on ``sluice-tiny``, 5 by default, and
+``--smol-reps`` on SmolLM2, 3, the modes' order rotating between them):
 output tokens/s, time to first token p50 (from the moment the requests were added),
 inter-token latency p50/p99 (the gap between a stream's deliveries divided by the tokens
 each delivered: what a client sees per token), the drafts' acceptance rate, and tokens/s
@@ -17,11 +18,12 @@ as a ratio to speculation off at the same concurrency and temperature.
 Targets (printed PASS/MISS): single-stream greedy tokens/s with the draft model >= 2x
 off; at 64 streams every mode >= 0.95x off, greedy and T=0.8; and the slowest row of any
 mode, concurrency and temperature against off (the issue's "never slower than off", read
-within this machine's run-to-run noise: rows where speculation stays off, off against
-off, move between 0.93x and 1.04x here). Problems (exit 1): greedy output that differs
+within this machine's run-to-run noise: a row passes at or above off's own slowest run in
+that row, or within 5% of off; rows where speculation stays off, off against off, moved
+between 0.88x and 1.04x here with medians of 3). Problems (exit 1): greedy output that differs
 between modes in any row, or from ``transformers`` (a few prompts of ``sluice-tiny``).
 
-    .venv/bin/python bench/speculative.py            # ~5 min on 2 vCPUs
+    .venv/bin/python bench/speculative.py            # ~6 min on 2 vCPUs
     .venv/bin/python bench/speculative.py --quick    # seconds: small sizes, same paths
     .venv/bin/python bench/speculative.py --no-smol --temperatures 0.8   # sampled rows only
 """
@@ -142,6 +144,7 @@ def bench_model(
     *,
     output: int,
     concurrencies: list[int],
+    reps: int,
 ) -> list[Row]:
     prompts = make_prompts(checkpoint, max(concurrencies), args.prompt, seed=1)
     rows: list[Row] = []
@@ -157,7 +160,7 @@ def bench_model(
         for concurrency in concurrencies:
             by_mode = {m: Row(name, temperature, concurrency, m) for m in modes}
             order = list(modes)
-            for rep in range(args.reps):
+            for rep in range(reps):
                 for mode in order[rep % len(order) :] + order[: rep % len(order)]:
                     run = run_batch(engines[mode], prompts[:concurrency], params)
                     by_mode[mode].runs.append(run)
@@ -196,7 +199,14 @@ def dataclasses_replace(params: SamplingParams, **changes: int) -> SamplingParam
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--reps",
+        type=int,
+        default=5,
+        help="repetitions per row on sluice-tiny (a 16-stream run takes half a second; off's "
+        "own runs spread by up to 10%% here, and a median of 5 halves what 3 let through)",
+    )
+    parser.add_argument("--smol-reps", type=int, default=3, help="repetitions per row on SmolLM2")
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     parser.add_argument("--output", type=int, default=128, help="output tokens (sluice-tiny)")
     parser.add_argument("--smol-output", type=int, default=24, help="output tokens (SmolLM2)")
@@ -213,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     concurrencies = [1, 4, 16, 64]
     smol_concurrencies = [1, 4, 16, 64]
     if args.quick:
-        args.reps, args.output, args.prompt = 1, 16, 16
+        args.reps, args.smol_reps, args.output, args.prompt = 1, 1, 16, 16
         concurrencies = [1, 4]
         args.no_smol = True
     torch.set_num_threads(1)  # as sluice serve on 2 vCPUs (--engine-threads)
@@ -236,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         args,
         output=args.output,
         concurrencies=concurrencies,
+        reps=args.reps,
     )
     greedy = 0.0 in args.temperatures
     if greedy:
@@ -249,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             args,
             output=args.smol_output,
             concurrencies=smol_concurrencies,
+            reps=args.smol_reps,
         )
 
     # Greedy output identical in every row: every mode and repetition against off's first.
@@ -268,7 +280,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 break
 
-    print(f"\n## Speculative decoding (medians of {args.reps}; ratio: tokens/s over off's)\n")
+    print(
+        f"\n## Speculative decoding (medians of {args.reps} on sluice-tiny, {args.smol_reps} on "
+        "SmolLM2; ratio: tokens/s over off's)\n"
+    )
     print(
         "| model | T | streams | mode | tokens/s | ratio | TTFT p50 ms | ITL p50 ms | ITL p99 ms | acceptance |"
     )
