@@ -6,6 +6,12 @@ temperature below :data:`~sluice.engine.sampling_params.GREEDY_TEMPERATURE` (0 i
 takes the argmax. A row with a ``seed`` draws from its own ``torch.Generator``, so its
 tokens are the same whatever else shares the batch.
 
+On the CPU the sampled rows of a step are filtered and drawn in one call of the C kernel
+(:class:`~sluice.engine.models.native_sampling.NativeSampling`: the same filters, the same
+uniforms from the same generators, a few passes a row where torch makes a dozen whole-batch
+calls); greedy rows, other devices and ``SLUICE_NATIVE_KERNELS=0`` take the torch code here,
+which is the reference the kernel is tested against.
+
 Numerically safe for every value :class:`~sluice.engine.sampling_params.SamplingParams`
 accepts. The logits are shifted so that their maximum is 0 BEFORE they are divided by the
 temperature, so the scaled logits are all ``<= 0`` with one exactly 0: a small temperature
