@@ -259,8 +259,9 @@ int sluice_sample_f32(const sluice_sample_args *a) {
             bad_uniform(a->uniforms[r]))
             return SLUICE_BAD_SHAPE;
     const int64_t vocab = a->vocab;
+    const int threads = a->num_threads < 1 ? 1 : a->num_threads;
     int status = 0;
-#pragma omp parallel num_threads(a->num_threads) if (a->num_threads > 1 && a->num_rows >= 8)
+#pragma omp parallel num_threads(threads) if (threads > 1 && a->num_rows >= 8)
     {
         float *scratch = (float *)malloc(sizeof(float) * (size_t)(3 * vocab));
         if (scratch == NULL) {
@@ -349,8 +350,9 @@ int sluice_verify_f32(const sluice_verify_args *a) {
             if (bad_uniform(a->uniforms[i])) return SLUICE_BAD_SHAPE;
     }
     const int64_t vocab = a->vocab;
+    const int threads = a->num_threads < 1 ? 1 : a->num_threads;
     int status = 0;
-#pragma omp parallel num_threads(a->num_threads) if (a->num_threads > 1 && a->num_seqs >= 4)
+#pragma omp parallel num_threads(threads) if (threads > 1 && a->num_seqs >= 4)
     {
         float *scratch = (float *)malloc(sizeof(float) * (size_t)(3 * vocab));
         if (scratch == NULL) {
