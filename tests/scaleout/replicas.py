@@ -6,6 +6,7 @@ import contextlib
 import signal
 import time
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import httpx
 import orjson
@@ -49,15 +50,25 @@ def replicas(
 class Read:
     """One SSE read: the complete events it got, and whether the body ended by itself."""
 
-    def __init__(self, events: list[Event], ended: bool, status: int) -> None:
+    def __init__(
+        self, events: list[Event], ended: bool, status: int, retry_ms: int | None = None
+    ) -> None:
         self.events = events
         self.ended = ended
         self.status = status
+        self.retry_ms = retry_ms
 
     @property
     def last_id(self) -> str | None:
         ids = [event.id for event in self.events if event.id]
         return ids[-1] if ids else None
+
+    @property
+    def come_back_later(self) -> bool:
+        """Whether this is the server's "come back later" to EventSource: a ``200`` whose
+        body, ended by itself, is only a ``retry:`` hint, no event (a full server, or a
+        replica that Redis cannot serve another replica's stream for a moment)."""
+        return self.status == 200 and self.ended and not self.events and self.retry_ms is not None
 
 
 def read_sse(
@@ -66,8 +77,24 @@ def read_sse(
     last_id: str | None = None,
     *,
     max_events: int | None = None,
+    timeout_s: float = 10.0,
 ) -> Read:
-    """Read ``target`` on ``server`` to its end, or until ``max_events`` events came."""
+    """Read ``target`` on ``server`` to its end, or until ``max_events`` events came.
+
+    An answer that is only a ``retry:`` hint (:attr:`Read.come_back_later`) is asked
+    again from the same ``Last-Event-ID``, as EventSource does, for ``timeout_s`` at most
+    (see :func:`_asked_again`); any other answer is returned for the test to judge."""
+    return _asked_again(
+        lambda: _read_sse_once(server, target, last_id, max_events),
+        lambda read: read.come_back_later,
+        f"an SSE read of {target} after {last_id} (only a retry: hint until then)",
+        timeout_s,
+    )
+
+
+def _read_sse_once(
+    server: ServerProcess, target: str, last_id: str | None, max_events: int | None
+) -> Read:
     headers = {"Last-Event-ID": last_id} if last_id else {}
     response = open_get(server.port, target, headers)
     if response.status != 200:
@@ -76,7 +103,9 @@ def read_sse(
     decoder = Decoder()
     events: list[Event] = []
     ended = True
-    for piece in response.body():
+    # A stream is chunked; a refusal's retry: hint is a whole body with a Content-Length.
+    sized = response.header("content-length") is not None
+    for piece in [response.sized_body()] if sized else response.body():
         events.extend(decoder.feed(piece))
         if max_events is not None and len(events) >= max_events:
             ended = False
@@ -84,7 +113,7 @@ def read_sse(
     if ended:
         events.extend(decoder.close())
     response.close()
-    return Read(events, ended, 200)
+    return Read(events, ended, 200, decoder.retry_ms)
 
 
 def text_of(events: list[Event]) -> str:
@@ -113,32 +142,49 @@ def wait_until(
     raise AssertionError(f"never happened: {what}")
 
 
-# How long a client here waits before asking again after a 503's Retry-After. The server's
-# is whole seconds (at least 1); a test needs the retry to happen, not the whole wait.
+# How long a client here waits before asking again after a "come back later" (a 503's
+# Retry-After, an SSE read's retry: hint). The server's is a second or more; a test needs
+# the retry to happen, not the whole wait.
 MAX_RETRY_WAIT_S = 0.25
+
+_Answer = TypeVar("_Answer")
+
+
+def _asked_again(
+    ask: Callable[[], _Answer],
+    come_back_later: Callable[[_Answer], bool],
+    what: str,
+    timeout_s: float,
+) -> _Answer:
+    """The answer to ``ask()``, asked again as a client does while ``come_back_later`` says
+    the server refused it for now, which a replica does for a read of a stream another
+    replica runs while Redis cannot serve it (its subscription down for a moment, as on a
+    loaded machine). Between tries it waits :data:`MAX_RETRY_WAIT_S` (the server's wait,
+    capped), and it asks for ``timeout_s`` at most, then fails naming ``what``."""
+    answer: _Answer | None = None
+
+    def answered() -> bool:
+        nonlocal answer
+        answer = ask()
+        return not come_back_later(answer)
+
+    wait_until(answered, what, timeout_s, interval_s=MAX_RETRY_WAIT_S)
+    assert answer is not None
+    return answer
 
 
 def retrying(
     request: Callable[[], httpx.Response], what: str, timeout_s: float = 10.0
 ) -> httpx.Response:
-    """The answer to ``request``, asked again as a client does while it is a ``503`` with
-    ``Retry-After``, which a replica answers a read of a stream another replica runs while
-    Redis cannot serve it (its subscription down for a moment, as on a loaded machine). Between
-    tries it waits :data:`MAX_RETRY_WAIT_S` (the server's ``Retry-After``, capped), and it
-    asks for ``timeout_s`` at most. Any other answer, a ``503`` without ``Retry-After``
-    included, is returned as it is, for the test to judge."""
-    answer: httpx.Response | None = None
-
-    def answered() -> bool:
-        nonlocal answer
-        answer = request()
-        return not (answer.status_code == 503 and "retry-after" in answer.headers)
-
-    wait_until(
-        answered, f"{what} (503 + Retry-After until then)", timeout_s, interval_s=MAX_RETRY_WAIT_S
+    """The answer to ``request``, asked again (:func:`_asked_again`) while it is a ``503``
+    with ``Retry-After``. Any other answer, a ``503`` without ``Retry-After`` included, is
+    returned as it is, for the test to judge."""
+    return _asked_again(
+        request,
+        lambda answer: answer.status_code == 503 and "retry-after" in answer.headers,
+        f"{what} (503 + Retry-After until then)",
+        timeout_s,
     )
-    assert answer is not None
-    return answer
 
 
 _TERMINAL = ("done", "error")

@@ -15,6 +15,7 @@ import random
 import signal
 import threading
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -34,6 +35,7 @@ from tests.scaleout.replicas import (
     kv_blocks_used,
     read_resuming,
     replicas,
+    retrying,
     text_of,
     wait_until,
 )
@@ -70,7 +72,8 @@ def words(count: int, tag: str = "w") -> str:
 
 def readers_on(server: ServerProcess, stream_id: str) -> int:
     try:
-        described = httpx.get(f"{server.base_url}/v1/streams/{stream_id}", timeout=5).json()
+        url = f"{server.base_url}/v1/streams/{stream_id}"
+        described = retrying(partial(httpx.get, url, timeout=5), "its readers").json()
     except httpx.HTTPError:
         return 0
     return int(described.get("readers", 0))
@@ -276,7 +279,8 @@ def test_3_cancel_on_one_gateway_stops_the_generation_on_another_and_frees_kv(
         )
         reader.start()
         wait_until(lambda: kv_blocks_used(a) > 0, "the engine runs the stream")
-        assert httpx.post(f"{b.base_url}/v1/streams/{stream_id}/cancel").status_code == 202
+        cancel = partial(httpx.post, f"{b.base_url}/v1/streams/{stream_id}/cancel")
+        assert retrying(cancel, "b cancels a's stream").status_code == 202
         wait_for_state(a, stream_id, "cancelled")
         wait_until(lambda: kv_blocks_used(a) == 0, "the engine freed its KV blocks")
         reader.join(timeout=30)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from functools import partial
 
 import httpx
 import orjson
@@ -19,7 +20,14 @@ from redis.cluster import RedisCluster
 
 from sluice.streams.redis_codec import LEASES_KEY, LIVE_KEY, LOG_BYTES_KEY, log_key
 from tests.redis_cluster import RedisClusterServers
-from tests.scaleout.replicas import event_seqs, read_sse, replicas, text_of, wait_until
+from tests.scaleout.replicas import (
+    event_seqs,
+    read_sse,
+    replicas,
+    retrying,
+    text_of,
+    wait_until,
+)
 from tests.server import ServerProcess, wait_for_state
 
 # Several processes start per test (seconds each on a loaded machine).
@@ -86,8 +94,9 @@ def test_a_cancel_on_another_replica_of_a_cluster_stops_the_producer(
 ) -> None:
     with replicas(cluster.url, 2) as (a, b):
         stream_id = created_id(create(a, words(2000), interval_ms=20))
-        assert httpx.get(f"{b.base_url}/v1/streams/{stream_id}").json()["model"] == "words"
-        assert httpx.post(f"{b.base_url}/v1/streams/{stream_id}/cancel").status_code == 202
+        url = f"{b.base_url}/v1/streams/{stream_id}"
+        assert retrying(partial(httpx.get, url), "b describes it").json()["model"] == "words"
+        assert retrying(partial(httpx.post, f"{url}/cancel"), "b cancels it").status_code == 202
         wait_for_state(a, stream_id, "cancelled")
         events = read_sse(b, f"/v1/streams/{stream_id}/events").events
         done = [orjson.loads(e.data) for e in events if e.event == "done"]
@@ -104,7 +113,8 @@ def test_a_tenants_live_streams_are_counted_across_the_replicas_of_a_cluster(
         refused = create(b, "x")
         assert refused.status_code == 429, refused.text
         assert int(refused.headers["Retry-After"]) >= 1
-        cancel = httpx.post(f"{b.base_url}/v1/streams/{stream_id}/cancel", headers=AUTH)
+        url = f"{b.base_url}/v1/streams/{stream_id}/cancel"
+        cancel = retrying(partial(httpx.post, url, headers=AUTH), "b cancels a's stream")
         assert cancel.status_code == 202
         status = f"{a.base_url}/v1/streams/{stream_id}"
         wait_until(

@@ -68,17 +68,18 @@ def test_a_stream_created_on_one_replica_resumes_on_another_with_the_exact_text(
 def test_status_and_cancel_on_another_replica_stop_the_producer(redis_url: str) -> None:
     with replicas(redis_url, 2) as (a, b):
         stream_id = create(a, words(2000), interval_ms=20)["id"]
-        status = httpx.get(f"{b.base_url}/v1/streams/{stream_id}")
+        url = f"{b.base_url}/v1/streams/{stream_id}"
+        status = retrying(partial(httpx.get, url), "b describes the stream")
         assert status.status_code == 200
         assert status.json()["model"] == "words"
-        cancelled = httpx.post(f"{b.base_url}/v1/streams/{stream_id}/cancel")
+        cancelled = retrying(partial(httpx.post, f"{url}/cancel"), "b cancels the stream")
         assert cancelled.status_code == 202
         wait_for_state(a, stream_id, "cancelled")
         events = read_sse(b, f"/v1/streams/{stream_id}/events").events
         done = [orjson.loads(e.data) for e in events if e.event == "done"]
         assert done == [{"reason": "cancelled"}]
         assert len(text_of(events).split()) < 2000
-        assert httpx.get(f"{b.base_url}/v1/streams/{stream_id}").json()["state"] == "cancelled"
+        assert retrying(partial(httpx.get, url), "b describes it").json()["state"] == "cancelled"
 
 
 def test_cancel_on_another_replica_frees_the_engines_kv_blocks(redis_url: str) -> None:
@@ -94,7 +95,8 @@ def test_cancel_on_another_replica_frees_the_engines_kv_blocks(redis_url: str) -
         stream_id = created.json()["id"]
         target = f"/v1/streams/{stream_id}/events"
         assert read_sse(b, target, max_events=3).events  # it runs
-        assert httpx.post(f"{b.base_url}/v1/streams/{stream_id}/cancel").status_code == 202
+        cancel = partial(httpx.post, f"{b.base_url}/v1/streams/{stream_id}/cancel")
+        assert retrying(cancel, "b cancels the stream").status_code == 202
         described = wait_for_state(a, stream_id, "cancelled")
         assert described["finish_reason"] == "cancelled"
         wait_until(lambda: kv_blocks_used(a) == 0, "the engine freed the stream's KV blocks")
@@ -156,11 +158,13 @@ def test_killing_the_producer_gives_every_reader_one_retryable_error_within_the_
         assert error["retryable"] is True
         assert error["code"] == "unavailable"
         assert [e.event for e in final].count("error") == 1
-        assert httpx.get(f"{c.base_url}/v1/streams/{stream_id}").json()["state"] == "failed"
+        status = retrying(partial(httpx.get, f"{c.base_url}/v1/streams/{stream_id}"), "c's status")
+        assert status.json()["state"] == "failed"
 
 
 def kv_free_or_tokens(server: ServerProcess, stream_id: object) -> bool:
-    described = httpx.get(f"{server.base_url}/v1/streams/{stream_id}").json()
+    url = f"{server.base_url}/v1/streams/{stream_id}"
+    described = retrying(partial(httpx.get, url), "the stream's status").json()
     return int(described["events"]) > 3
 
 
