@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -118,12 +118,7 @@ class NativeSampling:
             rows.shape[1],
             torch.get_num_threads(),
         )
-        check_status(
-            self._sample(ctypes.byref(args)),
-            num_blocks=0,
-            what="sampling",
-            refused=NativeKernelError("sampling refused a temperature, top-k, top-p or uniform"),
-        )
+        _run(self._sample, args, "sampling", "a temperature, top-k, top-p or uniform")
         return list(tokens), list(logprobs)
 
     def verify(
@@ -174,12 +169,7 @@ class NativeSampling:
             vocab,
             torch.get_num_threads(),
         )
-        check_status(
-            self._verify(ctypes.byref(args)),
-            num_blocks=0,
-            what="sampled verify",
-            refused=NativeKernelError("verify refused a draft token, filter or uniform"),
-        )
+        _run(self._verify, args, "sampled verify", "a draft token, filter or uniform")
         results: list[tuple[list[int], list[float]] | None] = []
         for s in range(n):
             first, count = starts[s] + s, num_emitted[s]
@@ -188,6 +178,18 @@ class NativeSampling:
             else:
                 results.append((tokens[first : first + count], logprobs[first : first + count]))
         return results
+
+
+def _run(
+    function: Callable[[object], int], args: ctypes.Structure, what: str, refusable: str
+) -> None:
+    """Call the kernel ``function`` on ``args``; raise what its status says."""
+    check_status(
+        function(ctypes.byref(args)),
+        num_blocks=0,
+        what=what,
+        refused=NativeKernelError(f"{what} refused {refusable}"),
+    )
 
 
 def _cpu_float32(logits: torch.Tensor) -> torch.Tensor:
