@@ -190,15 +190,14 @@ async def test_a_stream_cut_on_grpc_resumes_on_sse_then_on_grpc_without_gap_or_d
         watch(channel)(pb.WatchRequest(stream_id=stream_id, last_event_id=middle[-1].id))
     )
 
-    # A lagging SSE reader may get a run of tokens merged into one event with the run's
-    # last id (coalescing), so the SSE leg's ids only increase; the texts show no gap and
-    # no duplicate. gRPC sends every event: its legs count up one by one.
-    resumed_at = int(middle[-1].id.rpartition(":")[2])
-    sse_seqs = [int(e.id.rpartition(":")[2]) for e in middle]
-    assert [seq(e) for e in first] == [1, 2, 3, 4]
-    assert sse_seqs == sorted(set(sse_seqs))
-    assert sse_seqs[0] > 4
-    assert [seq(e) for e in rest] == list(range(resumed_at + 1, resumed_at + 1 + len(rest)))
+    # A reader whose sends had to wait (a loaded machine) gets a run of tokens merged into
+    # one event with the run's last id (coalescing), on SSE and on gRPC alike: so the ids
+    # only increase, each leg resumes after the last id it got, and the texts show that
+    # nothing was lost or doubled.
+    seqs = [seq(e) for e in first] + [int(e.id.rpartition(":")[2]) for e in middle]
+    seqs += [seq(e) for e in rest]
+    assert seqs[0] == 1
+    assert seqs == sorted(set(seqs))
     texts = [e.token.text for e in first[1:]] + [json.loads(e.data)["text"] for e in middle]
     texts += [e.token.text for e in rest if e.event == "token"]
     assert "".join(texts).split() == words
