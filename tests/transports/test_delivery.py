@@ -18,6 +18,8 @@ from sluice.events import (
     TextDelta,
     Usage,
 )
+from sluice.grpc_api import streams_pb2 as pb
+from sluice.grpc_api.messages import GrpcFrames, split_frames
 from sluice.sse import Decoder, Event
 from sluice.streams import LogLimits, MemoryEventLog, Reader
 from sluice.transports.delivery import PING, Delivery, DeliveryOptions, Ending
@@ -132,6 +134,23 @@ async def test_a_lagging_connection_gets_each_token_run_as_one_event_under_its_l
     assert setup.observed.num_coalesced == 2
     assert core.ended is Ending.CLEAN
     assert setup.closed  # ending closes the reader
+
+
+async def test_a_lagging_grpc_reader_gets_each_token_run_as_one_message_under_its_last_id() -> None:
+    setup = Setup()
+    await setup.start()
+    reader = Reader(setup.log, SID, 0, on_close=setup.closed.append, model="m")
+    core = Delivery(reader, GrpcFrames(SID), OPTIONS)
+    core.start(0.0)
+    core.on_paused(1.0)  # a send had to wait
+    core.on_resumed(1.0)
+    await setup.log.append(SID, [TextDelta("a"), TextDelta("b"), Usage(1, 2), TextDelta("c")])
+    got = [pb.StreamEvent.FromString(m) for m in split_frames(core.on_records(2.0))]
+    assert [(m.id, m.event, m.token.text) for m in got] == [
+        (f"{SID}:2", "token", "ab"),
+        (f"{SID}:3", "usage", ""),
+        (f"{SID}:4", "token", "c"),
+    ]
 
 
 async def test_heartbeat_after_an_interval_of_silence_and_never_while_paused() -> None:
