@@ -56,7 +56,20 @@ static inline __attribute__((always_inline)) int attend_row(
         if (block < 0 || block >= a->num_blocks) return SLUICE_BAD_BLOCK;
         const int64_t count = len - start < block_size ? len - start : block_size;
         const float *k = a->k_cache + block * block_size * row_floats;
+        const float *v_block = a->v_cache + block * block_size * row_floats;
+        const int64_t after = start + block_size;
+        const int64_t next = after < len ? table[after / block_size] : -1;
+        const float *k_next =
+            next >= 0 && next < a->num_blocks ? a->k_cache + next * block_size * row_floats : NULL;
         for (int64_t s = 0; s < count; ++s, k += row_floats) {
+            /* The cache is read from memory (a step reads every context, each layer once:
+             * far more than the caches hold), so ask for the next block's keys and this
+             * block's values while this block's keys are multiplied: blocks lie anywhere,
+             * where the hardware prefetcher only follows runs within a page. */
+            for (int64_t f = 0; f < row_floats; f += 16) { /* a 64-byte line each */
+                if (k_next != NULL) __builtin_prefetch(k_next + s * row_floats + f, 0, 3);
+                __builtin_prefetch(v_block + s * row_floats + f, 0, 2);
+            }
             for (int64_t h = 0; h < heads; ++h) {
                 const float *qh = q + h * dim, *kh = k + (h / group) * dim;
                 float dot = 0.f;
