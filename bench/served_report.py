@@ -2,7 +2,8 @@
 within a run, the issue's served targets against the serving peers, greedy differences.
 
 The targets (issue 15, "served over HTTP"): 64 concurrent streams, Sluice >= 1.0x vLLM CPU's
-server; 1 at a time, Sluice >= 0.5x llama.cpp's ``llama-server``. Each is judged twice: for
+server and >= 1.5x ``transformers``' static batch (in-process, no HTTP: the issue's
+reference); 1 at a time, Sluice >= 0.5x llama.cpp's ``llama-server``. Each is judged twice: for
 Sluice's default set-up (``sluice serve --model``: the engine in a child process) and for
 its best served set-up at that level (the highest median output tokens/s). A ratio is the median over runs
 of the ratio within a run: the set-ups take turns, so a busy minute of a shared machine
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 __all__ = [
     "DEFAULT_SETUP",
     "ENGINE_ALONE",
+    "HF_STATIC",
     "SLUICE_SERVED",
     "TARGETS",
     "Level",
@@ -39,11 +41,16 @@ __all__ = [
 ]
 
 ENGINE_ALONE = "engine alone"
+HF_STATIC = "HF static batch"  # transformers' generate, a static batch, in-process
 DEFAULT_SETUP = "--engine-process"  # what `sluice serve --model` runs (since 2026-12-03)
 BASE_SETUP = "one process"  # the ratio column: the engine on a thread of the server
 SLUICE_SERVED = ("one process", "two processes", "--engine-process")
 # (peer set-up, concurrent streams) -> the least Sluice / peer output tokens/s asked for.
-TARGETS: dict[tuple[str, int], float] = {("vLLM serve", 64): 1.0, ("llama-server", 1): 0.5}
+TARGETS: dict[tuple[str, int], float] = {
+    ("vLLM serve", 64): 1.0,
+    ("llama-server", 1): 0.5,
+    (HF_STATIC, 64): 1.5,
+}
 MAX_DIFFERENCES_LISTED = 5  # per peer and level
 # A verdict made while other jobs used more than this many cores is marked: a server whose
 # threads spin (llama.cpp's) loses far more than its share to them (as

@@ -15,6 +15,9 @@ serving ``models/sluice-tiny`` on 127.0.0.1 and each started once:
   --no-model --worker grpc://...`` in front of it, started by hand;
 - **--engine-process**: ``sluice serve --model models/sluice-tiny --engine-process``: the
   same split, made by ``sluice serve`` itself (``sluice.engine_process``);
+- **HF static batch** (unless ``--no-hf``): ``transformers``' ``generate`` over the same
+  prompt ids in a child process, C at a time as one static batch, fp32 on every core, no
+  HTTP: the reference of the issue's third served target (64 streams served >= 1.5x it);
 - with ``--peers vllm,llama.cpp``, the servers users would pick instead (``served_peers``,
   installed by ``scripts/install_peers.sh``; one that is not is reported, not run): **vLLM
   serve** (vLLM CPU's OpenAI server, fp32, 2 threads) and **llama-server** (llama.cpp's,
@@ -30,14 +33,16 @@ an earlier run. Every request is checked: 128 prompt tokens and ``max_tokens`` o
 by the server's usage (or, without one, its text chunks). Reported per set-up and level
 (``served_report``): median output tokens/s of the runs (and each run's), TTFT p50, the
 server side's CPU per output token (every process of the set-up, from /proc), the other
-jobs' cores on the machine meanwhile, and the ratios to one process, to the engine alone and
-to each peer: the median over runs of the ratio within a run; with peers, the issue's two
-served targets, PASS/MISS. Exit status 1 when a request failed or fell short, when a greedy
-text differs between Sluice's set-ups, or when a server logged trouble; a peer's greedy
-differences are listed, and figures are printed, never a failure.
+jobs' cores on the machine meanwhile, and the ratios to one process, to the engine alone,
+to the HF static batch and to each peer: the median over runs of the ratio within a run; the
+issue's three served targets, PASS/MISS (n/a for a peer not run). Exit status 1 when a
+request failed or fell short, when a greedy text differs between Sluice's set-ups, or when
+a server logged trouble; a peer's greedy differences (the HF static batch's too) are
+listed, and figures are printed, never a failure.
 
 Run: ``python bench/served_throughput.py [--quick] [--runs N] [--levels 1,64] [--peers
-vllm,llama.cpp]`` (``--quick``: levels 1 and 8, 32 output tokens, one run; about a minute).
+vllm,llama.cpp] [--no-hf]`` (``--quick``: levels 1 and 8, 32 output tokens, one run; about a
+minute).
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ from engine_peers.launcher import PEERS_DIR, parse_peer_names, wait_for_quiet
 from engine_peers.protocol import ForeignCpu
 from peers import HOST, ServerProcess, WorkerChild, free_port, process_cpu_s, scan_log
 from served_client import MODEL, PROMPT_TOKENS, closed_loop, make_prompts
-from served_report import ENGINE_ALONE, Level, render
+from served_report import ENGINE_ALONE, HF_STATIC, Level, render
 
 REPO = Path(__file__).resolve().parents[1]
 SETUPS = (ENGINE_ALONE, "one process", "two processes", "--engine-process")
@@ -190,16 +195,55 @@ def engine_alone(concurrency: int, max_tokens: int, seed: int) -> None:
     sys.stdout.write(orjson.dumps(asyncio.run(run())).decode() + "\n")
 
 
-def measure_alone(level: Level, concurrency: int, max_tokens: int, seed: int,
+def hf_static(concurrency: int, max_tokens: int, seed: int) -> None:
+    """The issue's in-process reference: ``transformers``' ``generate`` over the same
+    prompts, ``concurrency`` at a time as one static batch (``bench/engine_throughput.py``'s
+    HF static batch), fp32, greedy, every token made, on every core. Runs in a child
+    process (``--hf-static C K SEED``); prints its figures as JSON."""
+    import os
+
+    import torch
+
+    from engine_throughput import hf_generate, load_hf
+    from sluice.engine.loader import load_checkpoint
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    tokenizer = load_checkpoint(MODEL).tokenizer
+    prompts = [
+        tokenizer.encode(p) for p in make_prompts(max(8, 2 * concurrency), PROMPT_TOKENS, seed=seed)
+    ]
+    model, pad_id = load_hf(MODEL), tokenizer.eos_token_id or 0
+    hf_generate(model, prompts[:2], 4, pad_id)  # warm-up
+    completions: list[list[int]] = []
+    cpu_before = time.process_time()
+    started = time.perf_counter()
+    for first in range(0, len(prompts), concurrency):
+        completions += hf_generate(model, prompts[first : first + concurrency], max_tokens, pad_id)
+    wall_s = time.perf_counter() - started
+    cpu_s = time.process_time() - cpu_before
+    texts = [
+        b"".join(tokenizer.token_bytes(t) for t in ids).decode("utf-8", "replace")
+        for ids in completions
+    ]
+    tokens = sum(len(ids) for ids in completions)
+    result = {"tokens": tokens, "wall_s": wall_s, "cpu_s": cpu_s, "texts": texts}
+    sys.stdout.write(orjson.dumps(result).decode() + "\n")
+
+
+# The set-ups timed in a child process of the bench, no HTTP: their flags there.
+CHILD_SETUPS = {ENGINE_ALONE: "--engine-alone", HF_STATIC: "--hf-static"}
+
+
+def measure_alone(name: str, level: Level, concurrency: int, max_tokens: int, seed: int,
                   problems: list[str]) -> None:  # fmt: skip
-    command = [sys.executable, __file__, "--engine-alone"]
+    command = [sys.executable, __file__, CHILD_SETUPS[name]]
     command += [str(concurrency), str(max_tokens), str(seed)]
     foreign, started, child_cpu_s = ForeignCpu(), time.monotonic(), _reaped_children_cpu_s()
     done = subprocess.run(command, capture_output=True, cwd=REPO, timeout=600, check=False)
     # ForeignCpu counts a child that has exited as foreign: take the engine's CPU back out.
     child_cores = (_reaped_children_cpu_s() - child_cpu_s) / (time.monotonic() - started)
     if done.returncode != 0:
-        problems.append(f"engine alone: exit {done.returncode}: {done.stderr.decode()[-400:]}")
+        problems.append(f"{name}: exit {done.returncode}: {done.stderr.decode()[-400:]}")
         level.num_short += 1
         return
     result = orjson.loads(done.stdout.splitlines()[-1])
@@ -210,7 +254,7 @@ def measure_alone(level: Level, concurrency: int, max_tokens: int, seed: int,
     if not level.texts:
         level.texts = result["texts"]
     if result["tokens"] != max_tokens * len(result["texts"]):
-        problems.append(f"engine alone, {concurrency} streams: {result['tokens']} tokens")
+        problems.append(f"{name}, {concurrency} streams: {result['tokens']} tokens")
         level.num_short += 1
 
 
@@ -302,9 +346,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "set-ups (default: its own, the cores but one)",
     )
     parser.add_argument("--peers-dir", type=Path, default=PEERS_DIR, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--hf",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"time {HF_STATIC} too: transformers' generate in-process, the issue's "
+        "reference at 64 streams (default: yes)",
+    )
     parser.add_argument("--engine-alone", nargs=3, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--hf-static", nargs=3, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.engine_alone:
+    if args.engine_alone or args.hf_static:
         return args
     args.levels = [int(c) for c in args.levels.split(",")] if args.levels else None
     args.levels = args.levels or ([1, 8] if args.quick else [1, 64])
@@ -327,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.engine_alone:
         engine_alone(*args.engine_alone)
+        return 0
+    if args.hf_static:
+        hf_static(*args.hf_static)
         return 0
     levels, runs, max_tokens, names = args.levels, args.runs, args.max_tokens, args.setups
     seeds = {(run, c): c + RUN_SEED_STEP * (run + 1) for run in range(runs) for c in levels}
@@ -353,20 +408,21 @@ def main(argv: list[str] | None = None) -> int:
             missing[served_peers.LABELS[peer]] = started
             if not started.startswith(served_peers.NOT_INSTALLED):  # installed, did not start
                 problems.append(f"{served_peers.LABELS[peer]}: {started}")
-        peers = [setup.name for setup in setups if setup.peer]
+        peers = [*([HF_STATIC] if args.hf else []), *(setup.name for setup in setups if setup.peer)]
         results = {(name, c): Level() for name in [*names, *peers] for c in levels}
         for setup in setups:  # warm-up: the first requests' one-time costs, at every batch size
             asyncio.run(closed_loop(setup.base, warm_up, max(levels), 8))
         for run in range(runs):
             for c in levels:
                 turn: list[Setup | str] = [*([ENGINE_ALONE] if ENGINE_ALONE in names else [])]
-                turn += setups
+                turn += [*([HF_STATIC] if args.hf else []), *setups]
                 for setup in turn if run % 2 == 0 else turn[::-1]:
                     if args.quiet_wait > 0:
                         what = f"{setup if isinstance(setup, str) else setup.name}, {c} streams"
                         wait_for_quiet(args.quiet_wait, what, log=print_stderr)
                     if isinstance(setup, str):
-                        measure_alone(results[setup, c], c, max_tokens, seeds[run, c], problems)
+                        level = results[setup, c]
+                        measure_alone(setup, level, c, max_tokens, seeds[run, c], problems)
                         continue
                     if setup.peer:
                         check_tokens(setup, setup.peer, prompts[run, c], ids[run, c], problems)

@@ -138,8 +138,12 @@ def test_served_throughput_quick_run_streams_the_same_greedy_text_in_every_set_u
     output = run_quick("served_throughput")
     # Exit 0 already means every request got all its tokens and no greedy text differs.
     for level in ("1", "8"):
-        for setup in ("engine alone", "one process", "two processes", "--engine-process"):
+        setups = ("engine alone", "one process", "two processes", "--engine-process")
+        for setup in (*setups, "HF static batch"):
             row = table_row(output, f"| {level} | {setup} |")
             assert float(row[2].replace(",", "")) > 0, row
             assert row[6].endswith("x"), row  # / one process
-            assert row[-1] == "yes", row  # greedy texts equal
+            assert row[8].endswith("x"), row  # / HF static batch
+            assert row[-1] == "yes", row  # greedy texts equal, transformers' too
+    hf_target = table_row(output, "| 64 concurrent >= 1.5x HF static batch | --engine-process")
+    assert hf_target[3] == "n/a: 64 streams not run"  # --quick runs 1 and 8

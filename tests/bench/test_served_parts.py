@@ -211,7 +211,7 @@ def test_ratio_is_the_median_of_the_ratios_within_each_run() -> None:
 
 def results_of(**rates: list[float]) -> tuple[dict[tuple[str, int], Any], list[str]]:
     names = {"one": "one process", "split": "--engine-process", "vllm": "vLLM serve"}
-    names |= {"llama": "llama-server"}
+    names |= {"llama": "llama-server", "hf": "HF static batch"}
     results = {}
     for key, values in rates.items():
         c = 64 if key.endswith("64") else 1
@@ -236,9 +236,32 @@ def test_targets_are_judged_for_the_default_and_the_best_set_up() -> None:
         ["64 concurrent >= 1.0x vLLM serve", "--engine-process (best at 64)", "1.20x", "**PASS**"],
         ["1 at a time >= 0.5x llama-server", "--engine-process (default)", "0.40x", "**MISS**"],
         ["1 at a time >= 0.5x llama-server", "--engine-process (best at 1)", "0.40x", "**MISS**"],
-    ]
+        *[["64 concurrent >= 1.5x HF static batch", f"{s} ({r})", "—", "n/a: HF static batch not run"]
+          for s, r in (("--engine-process", "default"), ("--engine-process", "best at 64"))],
+    ]  # fmt: skip
     assert report.problems == []
     assert report.notes == []
+
+
+def test_the_hf_static_batch_target_is_judged_at_64_streams() -> None:
+    results, sluice = results_of(
+        one_64=[1200.0, 1100.0], split_64=[1600.0, 1500.0], hf_64=[1000.0, 1000.0],
+    )  # fmt: skip
+    names = [*sluice, "HF static batch"]
+    report = served_report.render(results, names, [64], ["HF static batch"])
+    hf_rows = [row for row in target_rows(report.lines) if "HF static batch" in row[0]]
+    assert hf_rows == [
+        ["64 concurrent >= 1.5x HF static batch", "--engine-process (default)", "1.55x", "**PASS**"],
+        ["64 concurrent >= 1.5x HF static batch", "--engine-process (best at 64)", "1.55x", "**PASS**"],
+    ]  # fmt: skip
+    results["one process", 64] = level([1500.0, 1600.0])  # 1.5x and 1.6x: 1.55x
+    results["--engine-process", 64] = level([1400.0, 1480.0])  # 1.4x and 1.48x: 1.44x
+    report = served_report.render(results, names, [64], ["HF static batch"])
+    verdicts = [row[1:] for row in target_rows(report.lines) if "HF static batch" in row[0]]
+    assert verdicts == [
+        ["--engine-process (default)", "1.44x", "**MISS**"],
+        ["one process (best at 64)", "1.55x", "**PASS**"],
+    ]
 
 
 def test_verdict_made_while_the_machine_was_busy_says_so() -> None:
@@ -247,7 +270,7 @@ def test_verdict_made_while_the_machine_was_busy_says_so() -> None:
     names = ["--engine-process", "llama-server"]
     report = served_report.render(results, names, [1], ["llama-server"])
     verdicts = [row[3] for row in target_rows(report.lines)]
-    assert verdicts[2:] == ["**PASS** (machine busy: other jobs 0.93 cores)"] * 2
+    assert verdicts[2:4] == ["**PASS** (machine busy: other jobs 0.93 cores)"] * 2
 
 
 def test_missing_or_short_peer_gets_no_figure_and_no_verdict() -> None:
@@ -258,7 +281,7 @@ def test_missing_or_short_peer_gets_no_figure_and_no_verdict() -> None:
                                   ["llama-server"], missing)  # fmt: skip
     verdicts = [row[3] for row in target_rows(report.lines)]
     assert verdicts[:2] == ["n/a: vLLM serve not installed (run scripts/install_peers.sh)"] * 2
-    assert verdicts[2:] == ["n/a: llama-server stopped short"] * 2
+    assert verdicts[2:4] == ["n/a: llama-server stopped short"] * 2
     assert "| 1 | llama-server | — (2 short) |" in "\n".join(report.lines)
     text = "\n".join(report.lines)
     assert "PASS" not in text
