@@ -55,7 +55,12 @@ class RawResponse:
         return line
 
     def body(self) -> Iterator[bytes]:
-        """The de-chunked body, piece by piece as it arrives, until the last chunk."""
+        """The de-chunked body, piece by piece as it arrives, until the last chunk; a body
+        with a Content-Length instead (a refusal, an SSE ``retry:`` hint) in one piece."""
+        chunked = (self.header("transfer-encoding") or "").lower() == "chunked"
+        if not chunked and self.header("content-length"):
+            yield self.sized_body()
+            return
         while True:
             size = int(self._read_line().split(b";")[0], 16)
             if size == 0:

@@ -103,9 +103,7 @@ def _read_sse_once(
     decoder = Decoder()
     events: list[Event] = []
     ended = True
-    # A stream is chunked; a refusal's retry: hint is a whole body with a Content-Length.
-    sized = response.header("content-length") is not None
-    for piece in [response.sized_body()] if sized else response.body():
+    for piece in response.body():  # a stream's chunks, or a retry: hint's whole body
         events.extend(decoder.feed(piece))
         if max_events is not None and len(events) >= max_events:
             ended = False
