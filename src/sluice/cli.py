@@ -286,11 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_placement_arguments(serve)
     serve.add_argument(
         "--engine-threads",
-        type=_count,
-        default=_default_engine_threads(),
-        help="torch threads of the embedded engine (default: the usable cores but one, at "
-        "least 1: the event loop keeps a core, and torch's threads never wait for a "
-        "descheduled sibling)",
+        type=_threads,
+        default=None,
+        metavar="N|auto",
+        help="torch threads of the embedded engine (default: auto; in the engine's child "
+        "process, tuned by timing its own steps between the usable cores but one and every "
+        "core, as the machine's other load makes either faster; with --no-engine-process, "
+        "the cores but one, at least 1: the event loop keeps a core)",
     )
     serve.add_argument(
         "--engine-process",
@@ -630,6 +632,11 @@ def _default_engine_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
+def _threads(text: str) -> int | None:
+    """``auto`` (``None``: tuned), or a whole number of at least 1."""
+    return None if text == "auto" else _count(text)
+
+
 def _count(text: str) -> int:
     """A whole number of at least 1."""
     try:
@@ -800,7 +807,8 @@ def _embedded_engine(
     # Process-wide; a torch thread per core would share the cores with the event loop,
     # and each of its parallel sections waits for the slowest (measured on 2 loaded vCPUs:
     # 2 threads ran a step 3-16x slower than 1).
-    torch.set_num_threads(args.engine_threads)
+    threads = args.engine_threads
+    torch.set_num_threads(_default_engine_threads() if threads is None else threads)
     placement = machine_placement(args.device, args.dtype)
     checkpoint = load_checkpoint(args.model, name=name, placement=placement)
     print(f"Sluice: {checkpoint.name} on {placement.describe()}", flush=True)

@@ -49,6 +49,7 @@ from sluice.engine.scheduler import ScheduledBatch, Scheduler
 from sluice.engine.sequence import Sequence
 from sluice.engine.speculative import SpecDecodeStats, SpeculativeConfig
 from sluice.engine.speculator import Speculator
+from sluice.engine.threads import ThreadGovernor
 
 __all__ = [
     "REQUEST_FAILED_MESSAGE",
@@ -155,6 +156,9 @@ class Engine:
         self._next_request_id = 0
         self._num_steps = 0
         self.last_step: StepStats | None = None  # the last step that completed
+        # Sets the torch threads of each step when given (engine/threads.py); else the
+        # process's setting stands.
+        self.threads: ThreadGovernor | None = None
 
     # -- stats ----------------------------------------------------------------------------
 
@@ -239,6 +243,8 @@ class Engine:
         If the model raises, every request in the batch is aborted (its blocks freed)
         before the error propagates, so the engine stays usable.
         """
+        if self.threads is not None:
+            self.threads.before_step()
         started = time.perf_counter()
         num_lookahead, k = self._plan_speculation()
         batch = self.scheduler.schedule(num_lookahead)
@@ -275,6 +281,8 @@ class Engine:
         )
         if self.speculator is not None:
             self.speculator.observe(len(decodes), num_prefill_tokens, k, duration_s)
+        if self.threads is not None:
+            self.threads.after_step(num_prefill_tokens, len(decodes), duration_s)
         return outputs
 
     def _plan_speculation(self) -> tuple[dict[int, int], int]:

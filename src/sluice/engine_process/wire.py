@@ -51,7 +51,7 @@ class EngineSpec:
     dtype: str
     num_blocks: int
     max_num_seqs: int
-    engine_threads: int
+    engine_threads: int | None  # None: tuned (engine/threads.py)
     speculation: SpeculativeConfig | None = None
     draft_model: Path | None = None
 
