@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=max(1, len(os.sched_getaffinity(0)) - 1),
         help="torch threads of the engine (default: the usable cores but one, at least 1, "
-        "as sluice serve: the gRPC event loop keeps a core)",
+        "as sluice serve --no-engine-process: the gRPC event loop keeps a core)",
     )
     parser.add_argument(
         "--shutdown-timeout",
