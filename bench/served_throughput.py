@@ -150,8 +150,9 @@ def start_peer(name: str, logs: Path, stack: contextlib.ExitStack, peers_dir: Pa
 
 def engine_alone(concurrency: int, max_tokens: int, seed: int) -> None:
     """The ceiling: the same requests straight into the engine (``AsyncEngine``, as ``sluice
-    serve`` builds it, one torch thread as its ``--engine-threads`` default here), no HTTP.
-    Runs in a child process (``--engine-alone C K SEED``); prints its figures as JSON."""
+    serve`` builds it, its threads tuned as its ``--engine-threads auto`` default does in
+    the engine's child process), no HTTP. Runs in a child process (``--engine-alone C K
+    SEED``); prints its figures as JSON."""
     import os
 
     import torch
@@ -159,8 +160,10 @@ def engine_alone(concurrency: int, max_tokens: int, seed: int) -> None:
     from sluice.engine.driver import AsyncEngine
     from sluice.engine.loader import load_checkpoint
     from sluice.engine.sampling_params import SamplingParams
+    from sluice.engine.threads import ThreadGovernor
 
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 1))
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(max(1, cores - 1))
     checkpoint = load_checkpoint(MODEL)
     prompts = [
         checkpoint.tokenizer.encode(p)
@@ -170,6 +173,7 @@ def engine_alone(concurrency: int, max_tokens: int, seed: int) -> None:
 
     async def run() -> dict[str, object]:
         engine = checkpoint.engine(num_blocks=1024, max_num_seqs=64)
+        engine.threads = ThreadGovernor((max(1, cores - 1), cores))
         async with AsyncEngine(engine) as driver:
             texts = [""] * len(prompts)
             counts = [0] * len(prompts)
