@@ -7,6 +7,7 @@ also counted as ended streams; the ``vllm:`` series a vLLM Grafana dashboard rea
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterable, Iterator
 
@@ -25,6 +26,7 @@ from tests.server import ServerProcess, wait_for_state
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"
+CORES = len(os.sched_getaffinity(0))  # the servers' too: they run here
 
 # Every series the panels of vLLM's Grafana dashboard query, each filtered on
 # {model_name="$model_name"} (vllm-project/vllm, examples/online_serving/prometheus_grafana/
@@ -174,6 +176,8 @@ def test_metrics_follow_streams_refusals_and_resumes(server: ServerProcess) -> N
     assert moved("sluice_inter_token_latency_seconds_count", **tiny_version) >= 2
     assert value(after, "sluice_engine_kv_blocks", **tiny) > 0
     assert value(after, "sluice_engine_running", **tiny) == 0
+    # the engine's child process tunes its threads (--engine-threads auto): one of its two
+    assert value(after, "sluice_engine_threads", **tiny) in {max(1, CORES - 1), CORES}
     assert ("sluice_engine_preemptions_total", (("model", "sluice-tiny"),)) in after
 
 

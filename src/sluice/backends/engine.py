@@ -45,6 +45,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol, TypeVar
 
+import torch
+
 from sluice.backends.admission import RetryAfterPacer, StepCostModel, TtftPredictor
 from sluice.backends.base import Delta, GenerationRequest
 from sluice.backends.chat import SIMPLE_TEMPLATE, ChatTemplate
@@ -455,6 +457,11 @@ def engine_stats(engine: Engine) -> dict[str, int]:
         "kv_blocks_used": blocks.num_used_blocks,
         "prefix_hits": blocks.num_prefix_hits,
         "preemptions": engine.scheduler.num_preemptions,
+        # Run where the steps run (their thread, or the engine's process): torch's setting
+        # there is theirs, unless a governor sets it step by step.
+        "threads": engine.threads.threads
+        if engine.threads is not None
+        else torch.get_num_threads(),
         **_spec_decode_stats(engine),
     }
 

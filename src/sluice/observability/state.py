@@ -30,6 +30,7 @@ _ENGINE_GAUGES = {
     "waiting": "Sequences waiting for the engine",
     "kv_blocks": "KV-cache blocks in all",
     "kv_blocks_used": "KV-cache blocks held by sequences",
+    "threads": "Torch threads the engine's steps run on (tuned with --engine-threads auto)",
     "spec_decode_acceptance_pct": "Drafted tokens the target accepted, in percent",
     "spec_decode_k": "Tokens drafted per sequence in the last step (0: speculation off)",
 }
