@@ -34,15 +34,21 @@ class Machine:
         self.sets.append(count)
 
     def steps(
-        self, governor: ThreadGovernor, count: int, *, prefill: Callable[[int], int] = lambda n: 0
+        self,
+        governor: ThreadGovernor,
+        count: int,
+        *,
+        prefill: Callable[[int], int] = lambda n: 0,
+        decodes: Callable[[int], int] = lambda n: 8,
     ) -> list[int]:
-        """Run ``count`` steps of 8 decodes (``prefill(n)`` tokens of prefill in step n);
-        the thread count of each."""
+        """Run ``count`` steps of ``decodes(n)`` decodes (and ``prefill(n)`` tokens of
+        prefill) in step n, each costing ``cost_ms`` of its thread count; the thread count
+        of each."""
         used = []
         for n in range(count):
             governor.before_step()
             used.append(self.threads)
-            governor.after_step(prefill(n), 8, self.cost_ms[self.threads] / 1e3)
+            governor.after_step(prefill(n), decodes(n), self.cost_ms[self.threads] / 1e3)
         return used
 
 
@@ -82,6 +88,20 @@ def test_a_kept_count_holds_longer_and_a_change_starts_over() -> None:
     assert used[-16:] == [1] * 8 + [2] * 8  # the trial after the hold
     assert (governor.num_trials, governor.threads, governor.hold) == (6, 1, 50)
     assert machine.steps(governor, 10) == [1] * 10
+
+
+def test_a_trial_under_a_growing_load_decides_nothing_and_begins_again() -> None:
+    machine = Machine({1: 10.0, 2: 10.0})  # a step costs the same on either count
+    governor = ThreadGovernor((1, 2), set_threads=machine.set_threads, hold_steps=100)
+    # Requests arrive: 1 sequence a step in block A, 64 from block B on. Per sequence, B
+    # would look 64x cheaper.
+    machine.steps(governor, 32, decodes=lambda n: 1 if n < 8 else 64)
+    assert governor.num_inconclusive == 1
+    assert governor.num_trials == 0
+    assert governor.threads == 2  # unchanged
+    used = machine.steps(governor, 32, decodes=lambda n: 64)  # the trial begun again
+    assert used == [1] * 8 + [2] * 16 + [1] * 8
+    assert governor.num_trials == 1
 
 
 def test_steps_that_prefill_are_run_but_not_timed() -> None:

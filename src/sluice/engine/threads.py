@@ -13,12 +13,14 @@ order A B B A (so that a load that grows or shrinks during the trial falls on bo
 alike), and compares each candidate's time per sequence over its blocks. Only steps of
 decodes alone count: a step that prefills costs another amount per sequence, and one in a
 block would tilt the comparison; such steps run on the trial's current candidate and are
-not timed. When the first two blocks already differ by ``DECISIVE`` times or more (two
+not timed. A trial whose candidates' steps had batches of different sizes on average (by
+more than ``COMPARABLE_BATCHES`` times: the load grew or fell under it) decides nothing and
+begins again. When the first two blocks already differ by ``DECISIVE`` times or more (two
 threads beside a busy process: 1.4-3x slower), the trial ends there, with half the slow
-steps. The winner then holds for ``hold_steps`` steps of any kind, and a new trial begins; a trial
-that keeps the same count doubles the next hold, up to ``MAX_HOLD_FACTOR`` times, and one
-that changes it starts over from ``hold_steps``. The slower setting so runs a few percent
-of the steps at first, and less while the machine stays as it is.
+steps. The winner then holds for ``hold_steps`` steps of any kind, and a new trial begins;
+a trial that keeps the same count doubles the next hold, up to ``MAX_HOLD_FACTOR`` times,
+and one that changes it starts over from ``hold_steps``. The slower setting so runs a few
+percent of the steps at first, and less while the machine stays as it is.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 # A trial's first two blocks that differ by this factor decide it at once.
 DECISIVE = 1.25
+# The candidates' mean batch sizes in a trial may differ by this factor at most; a trial
+# whose differ more is dropped and begun again.
+COMPARABLE_BATCHES = 1.25
 # A hold doubles while trials keep the same count, up to this many times hold_steps.
 MAX_HOLD_FACTOR = 8
 
@@ -62,10 +67,11 @@ class ThreadGovernor:
         self.threads = choices[-1]  # the current choice (before any trial: the most)
         self._applied: int | None = None
         self._trial: list[int] = []  # the candidate of each counted step still to come
-        self._spent: dict[int, list[float]] = {}  # candidate -> [seconds, sequences]
+        self._spent: dict[int, list[float]] = {}  # candidate -> [seconds, sequences, steps]
         self._held = 0  # steps since the last trial ended
         self.hold = hold_steps  # steps the current choice holds before the next trial
         self.num_trials = 0  # trials completed
+        self.num_inconclusive = 0  # trials dropped: the batch sizes differed too much
         if len(choices) > 1:
             self._begin_trial()
 
@@ -90,22 +96,34 @@ class ThreadGovernor:
         spent = self._spent[self._trial.pop(0)]
         spent[0] += duration_s
         spent[1] += num_decodes
-        if len(self._trial) == 2 * self._block_steps:  # halfway: A once, B once
+        spent[2] += 1
+        if len(self._trial) == 2 * self._block_steps and self._comparable():  # A once, B once
             costs = sorted(self._costs().values())
             if costs[1] >= DECISIVE * costs[0]:
                 self._trial.clear()
         if not self._trial:
-            self._end_trial()
+            if self._comparable():
+                self._end_trial()
+            else:  # the load changed under the trial: it says nothing; another one
+                self.num_inconclusive += 1
+                self._begin_trial()
 
     def _begin_trial(self) -> None:
         first, second = self.candidates[0], self.candidates[-1]
         block = self._block_steps
         self._trial = [first] * block + [second] * 2 * block + [first] * block
-        self._spent = {first: [0.0, 0.0], second: [0.0, 0.0]}
+        self._spent = {first: [0.0, 0.0, 0], second: [0.0, 0.0, 0]}
+
+    def _comparable(self) -> bool:
+        """Whether the candidates' steps so far had about the same sequences on average (a
+        step's time per sequence falls as its batch grows: a ramp of the load between
+        the blocks would decide the trial, not the threads)."""
+        sizes = sorted(sequences / steps for _, sequences, steps in self._spent.values())
+        return sizes[1] <= COMPARABLE_BATCHES * sizes[0]
 
     def _costs(self) -> dict[int, float]:
         """Each candidate's seconds per sequence in the trial so far."""
-        return {c: seconds / sequences for c, (seconds, sequences) in self._spent.items()}
+        return {c: seconds / sequences for c, (seconds, sequences, _) in self._spent.items()}
 
     def _end_trial(self) -> None:
         costs = self._costs()
