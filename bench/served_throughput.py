@@ -153,17 +153,14 @@ def engine_alone(concurrency: int, max_tokens: int, seed: int) -> None:
     serve`` builds it, its threads tuned as its ``--engine-threads auto`` default does in
     the engine's child process), no HTTP. Runs in a child process (``--engine-alone C K
     SEED``); prints its figures as JSON."""
-    import os
-
     import torch
 
     from sluice.engine.driver import AsyncEngine
     from sluice.engine.loader import load_checkpoint
     from sluice.engine.sampling_params import SamplingParams
-    from sluice.engine.threads import ThreadGovernor
+    from sluice.engine.threads import cores_but_one, tuned_threads
 
-    cores = len(os.sched_getaffinity(0))
-    torch.set_num_threads(max(1, cores - 1))
+    torch.set_num_threads(cores_but_one())
     checkpoint = load_checkpoint(MODEL)
     prompts = [
         checkpoint.tokenizer.encode(p)
@@ -173,7 +170,7 @@ def engine_alone(concurrency: int, max_tokens: int, seed: int) -> None:
 
     async def run() -> dict[str, object]:
         engine = checkpoint.engine(num_blocks=1024, max_num_seqs=64)
-        engine.threads = ThreadGovernor((max(1, cores - 1), cores))
+        engine.threads = tuned_threads()
         async with AsyncEngine(engine) as driver:
             texts = [""] * len(prompts)
             counts = [0] * len(prompts)

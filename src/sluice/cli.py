@@ -44,6 +44,7 @@ from sluice.engine.loader import load_checkpoint
 from sluice.engine.model_runner import PagedModel
 from sluice.engine.placement import Placement, add_placement_arguments, machine_placement
 from sluice.engine.speculative import SpeculativeConfig
+from sluice.engine.threads import cores_but_one
 from sluice.engine_process import EngineSpec, ProcessEngine, start_child
 from sluice.errors import ConfigError
 from sluice.gateway.app import SluiceApp, create_app
@@ -627,11 +628,6 @@ def _byte_size(text: str) -> int:
     return int(size)
 
 
-def _default_engine_threads() -> int:
-    """The cores this process may use, less one for the event loop (at least 1)."""
-    return max(1, len(os.sched_getaffinity(0)) - 1)
-
-
 def _threads(text: str) -> int | None:
     """``auto`` (``None``: tuned), or a whole number of at least 1."""
     return None if text == "auto" else _count(text)
@@ -808,7 +804,7 @@ def _embedded_engine(
     # and each of its parallel sections waits for the slowest (measured on 2 loaded vCPUs:
     # 2 threads ran a step 3-16x slower than 1).
     threads = args.engine_threads
-    torch.set_num_threads(_default_engine_threads() if threads is None else threads)
+    torch.set_num_threads(cores_but_one() if threads is None else threads)
     placement = machine_placement(args.device, args.dtype)
     checkpoint = load_checkpoint(args.model, name=name, placement=placement)
     print(f"Sluice: {checkpoint.name} on {placement.describe()}", flush=True)

@@ -8,6 +8,7 @@ process (``--engine-threads auto``, the default); the last test runs a real engi
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import pytest
@@ -17,7 +18,7 @@ from sluice.cli import build_parser
 from sluice.engine.engine import Engine, EngineConfig
 from sluice.engine.models import GPT2Config
 from sluice.engine.sampling_params import SamplingParams
-from sluice.engine.threads import ThreadGovernor
+from sluice.engine.threads import ThreadGovernor, cores_but_one, tuned_threads
 from tests.engine.tiny_models import ascii_bytes, varied_gpt2
 
 
@@ -132,6 +133,12 @@ def test_bad_candidates_and_sizes_are_refused() -> None:
         ThreadGovernor((0, 2))
     with pytest.raises(ValueError, match="block_steps"):
         ThreadGovernor((1, 2), block_steps=0)
+
+
+def test_auto_tunes_between_the_cores_but_one_and_every_core() -> None:
+    cores = len(os.sched_getaffinity(0))
+    assert cores_but_one() == max(1, cores - 1)
+    assert tuned_threads().candidates == tuple(sorted({max(1, cores - 1), cores}))
 
 
 def test_engine_threads_is_auto_by_default_or_a_count() -> None:

@@ -457,8 +457,7 @@ def engine_stats(engine: Engine) -> dict[str, int]:
         "kv_blocks_used": blocks.num_used_blocks,
         "prefix_hits": blocks.num_prefix_hits,
         "preemptions": engine.scheduler.num_preemptions,
-        # Run where the steps run (their thread, or the engine's process): torch's setting
-        # there is theirs, unless a governor sets it step by step.
+        # Read where the steps run (their thread, or the engine's process).
         "threads": engine.threads.threads
         if engine.threads is not None
         else torch.get_num_threads(),

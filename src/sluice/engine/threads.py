@@ -26,11 +26,12 @@ percent of the steps at first, and less while the machine stays as it is.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["ThreadGovernor"]
+__all__ = ["ThreadGovernor", "cores_but_one", "tuned_threads"]
 
 logger = logging.getLogger(__name__)
 
@@ -142,3 +143,15 @@ class ThreadGovernor:
         self.threads = best
         self._held = 0
         self.num_trials += 1
+
+
+def cores_but_one() -> int:
+    """The cores this process may use, less one (at least 1): a fixed count that leaves an
+    event loop sharing the process its core."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def tuned_threads() -> ThreadGovernor:
+    """A governor that tunes between :func:`cores_but_one` and every core this process may
+    use (``--engine-threads auto`` in the engine's own process)."""
+    return ThreadGovernor((cores_but_one(), len(os.sched_getaffinity(0))))

@@ -24,7 +24,7 @@ import torch
 from sluice.engine.engine import Engine
 from sluice.engine.loader import load_checkpoint
 from sluice.engine.placement import machine_placement
-from sluice.engine.threads import ThreadGovernor
+from sluice.engine.threads import cores_but_one, tuned_threads
 from sluice.engine_process.wire import EngineInfo, EngineSpec, frame, recv_message
 from sluice.vllm_grpc.tokenizer_bundle import ModelFiles, write_bundle
 
@@ -35,9 +35,8 @@ logger = logging.getLogger("sluice.engine_process")
 
 def _load(spec: EngineSpec) -> tuple[Engine, EngineInfo]:
     """The engine ``spec`` asks for, and what it serves (for the server)."""
-    cores = len(os.sched_getaffinity(0))
     threads = spec.engine_threads
-    torch.set_num_threads(threads if threads is not None else max(1, cores - 1))
+    torch.set_num_threads(threads if threads is not None else cores_but_one())
     placement = machine_placement(spec.device, spec.dtype)
     checkpoint = load_checkpoint(spec.model, name=spec.name, placement=placement)
     draft = None
@@ -49,8 +48,8 @@ def _load(spec: EngineSpec) -> tuple[Engine, EngineInfo]:
         speculation=spec.speculation,
         draft_model=draft,
     )
-    if threads is None:  # tuned between the cores but one and every core, step by step
-        engine.threads = ThreadGovernor((max(1, cores - 1), cores))
+    if threads is None:
+        engine.threads = tuned_threads()
     files = ModelFiles(
         checkpoint.tokenizer, checkpoint.chat_template, checkpoint.bos_token, checkpoint.eos_token
     )

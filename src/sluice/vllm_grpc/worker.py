@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
@@ -42,6 +41,7 @@ from sluice.engine.loader import Checkpoint, load_checkpoint
 from sluice.engine.models.llama import LlamaConfig
 from sluice.engine.placement import add_placement_arguments, machine_placement
 from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.threads import cores_but_one
 from sluice.errors import ConfigError
 from sluice.grpc_api import hosting
 from sluice.startup import freeze_startup_objects
@@ -87,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine-threads",
         type=int,
-        default=max(1, len(os.sched_getaffinity(0)) - 1),
+        default=cores_but_one(),
         help="torch threads of the engine (default: the usable cores but one, at least 1, "
         "as sluice serve --no-engine-process: the gRPC event loop keeps a core)",
     )
