@@ -3,6 +3,8 @@ speeds up: the same tokens at the same uniforms, the same distribution, faults p
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import scipy.stats
 import torch
@@ -72,6 +74,40 @@ def test_a_non_finite_row_gets_no_token_and_the_others_do(native: NativeSampling
     tokens, _ = native.sample(rows, [FILTERS[0]] * 4, uniforms)
     assert tokens[1:] == [-1, -1, -1]
     assert 0 <= tokens[0] < 64
+
+
+def test_greedy_rows_take_torchs_argmax_and_log_softmax(native: NativeSampling) -> None:
+    """Ties anywhere (the first wins, as argmax), a maximum in the last, unaligned places of
+    a row, NaN, +inf and all -inf rows (-1), logprobs only where asked for (NaN else)."""
+    generator = torch.Generator().manual_seed(5)
+    rows = torch.randint(0, 4, (40, 4099), generator=generator).float()
+    rows[0, 4098] = rows[1, 4035] = 9.0  # past the last whole run of 64
+    rows[2, 17] = float("nan")
+    rows[3, 100] = float("inf")
+    rows[4] = float("-inf")
+    rows[5, :] = -1.0  # a tie across the whole row
+    with_logprobs = [row % 2 == 0 for row in range(rows.shape[0])]
+    tokens, logprobs = native.greedy(rows, with_logprobs)
+    expected = rows.argmax(dim=-1)
+    reference = torch.log_softmax(rows, dim=-1).gather(1, expected[:, None])[:, 0]
+    for row, (token, logprob) in enumerate(zip(tokens, logprobs, strict=True)):
+        if row in (2, 3, 4):
+            assert token == -1
+            assert math.isnan(logprob)
+            continue
+        assert token == int(expected[row])
+        if with_logprobs[row]:
+            assert logprob == pytest.approx(float(reference[row]), abs=1e-5)
+        else:
+            assert math.isnan(logprob)
+
+
+def test_greedy_takes_a_strided_view_of_rows(native: NativeSampling) -> None:
+    """Rows apart by more than their length (every other row of a matrix) are read in place;
+    a logit matrix's rows of a step are such a view when some items do not sample."""
+    rows = torch.randn(8, 300, generator=torch.Generator().manual_seed(2))
+    tokens, _ = native.greedy(rows[::2], [False] * 4)
+    assert tokens == rows[::2].argmax(dim=-1).tolist()
 
 
 @pytest.mark.parametrize("uniform", [1.0, -0.1, float("nan")])

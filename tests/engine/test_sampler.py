@@ -34,7 +34,8 @@ def tokens(results: list[Sampled | Exception]) -> list[int]:
 
 def test_greedy_takes_the_argmax_and_reports_its_logprob() -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 0.0]])
-    results = Sampler().sample(logits, [SamplingParams(temperature=0)] * 2, [1, 2])
+    params = [SamplingParams(temperature=0, logprobs=True)] * 2
+    results = Sampler().sample(logits, params, [1, 2])
     assert tokens(results) == [1, 0]
     expected = torch.log_softmax(logits, dim=-1)
     logprobs = [r.logprob for r in results if isinstance(r, Sampled)]

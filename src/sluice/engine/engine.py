@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 
 import torch
 
 from sluice.engine.block_manager import BlockManager, BlockManagerStats
 from sluice.engine.detokenizer import IncrementalDetokenizer
-from sluice.engine.model_runner import ModelRunner, PagedModel
+from sluice.engine.model_runner import ModelRunner, PagedModel, StepLogits
 from sluice.engine.outputs import EngineConfig, FinishReason, RequestOutput, StepStats
 from sluice.engine.proposer import Draft, DraftRequest
 from sluice.engine.sampler import Sampler, SamplingError
@@ -251,12 +251,13 @@ class Engine:
         drafts: dict[int, Draft] = {}
         try:
             drafts = self._propose(batch)
+            logits: Mapping[int, torch.Tensor]
             if drafts:
                 logits = self.model_runner.verify(
                     batch, {seq_id: draft.token_ids for seq_id, draft in drafts.items()}
                 )
             else:  # one row each
-                logits = {seq_id: row[None] for seq_id, row in self.model_runner.run(batch).items()}
+                logits = self.model_runner.run(batch)
             sampled, outputs, finished = self._sample_and_check(batch, logits, drafts)
         except BaseException:
             for item in batch.items:
@@ -311,7 +312,7 @@ class Engine:
         return self.speculator.propose(requests)
 
     def _sample_and_check(
-        self, batch: ScheduledBatch, logits: dict[int, torch.Tensor], drafts: dict[int, Draft]
+        self, batch: ScheduledBatch, logits: Mapping[int, torch.Tensor], drafts: dict[int, Draft]
     ) -> tuple[dict[int, tuple[int, ...]], list[RequestOutput], set[int]]:
         request_ids = [seq_id for seq_id in batch.sampled_seq_ids if seq_id in self._requests]
         if not request_ids:
@@ -322,7 +323,9 @@ class Engine:
             for request_id, one in zip(
                 plain,
                 self.sampler.sample(
-                    torch.stack([logits[request_id][0] for request_id in plain]),
+                    logits.rows(plain)
+                    if isinstance(logits, StepLogits)
+                    else torch.stack([logits[request_id][0] for request_id in plain]),
                     [self._requests[request_id].params for request_id in plain],
                     plain,
                 ),
@@ -388,7 +391,7 @@ class Engine:
             return exc
 
     def _verify_together(
-        self, logits: dict[int, torch.Tensor], drafts: dict[int, Draft]
+        self, logits: Mapping[int, torch.Tensor], drafts: dict[int, Draft]
     ) -> dict[int, _Verified]:
         """The live requests' verifies, the greedy ones in one pass and the sampled ones in
         another; a pass that raised gives nothing (its requests are then verified alone, so

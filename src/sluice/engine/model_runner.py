@@ -11,18 +11,18 @@ stops short of the end of the prompt samples nothing).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from sluice.engine.kv_cache import KVCache
 from sluice.engine.models.step import StepLayout, StepSequence
-from sluice.engine.scheduler import ScheduledBatch
+from sluice.engine.scheduler import ScheduledBatch, ScheduledSequence
 from sluice.engine.sequence import SequenceStatus
 
-__all__ = ["ModelRunner", "ModelSlice", "PagedModel", "PagedModelConfig"]
+__all__ = ["ModelRunner", "ModelSlice", "PagedModel", "PagedModelConfig", "StepLogits"]
 
 
 class PagedModelConfig(Protocol):
@@ -73,6 +73,40 @@ class ModelSlice:
     num_logits: int = 1
 
 
+@dataclass(frozen=True)
+class StepLogits(Mapping[int, torch.Tensor]):
+    """The next-token logits of a step's sampling items: ``matrix`` ``[n, vocab]``, row ``i``
+    of sequence ``seq_ids[i]``; as a mapping, each sequence's ``[vocab]`` row.
+
+    A sampler takes the rows of many sequences at once (:meth:`rows`): when they are the
+    step's, in its order (a step of decodes), that is the matrix itself, not 64 views
+    stacked back into a copy of it.
+    """
+
+    seq_ids: list[int]
+    matrix: torch.Tensor
+    _index: dict[int, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", {seq_id: i for i, seq_id in enumerate(self.seq_ids)})
+
+    def __getitem__(self, seq_id: int) -> torch.Tensor:
+        return self.matrix[self._index[seq_id]]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.seq_ids)
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
+
+    def rows(self, seq_ids: Sequence[int]) -> torch.Tensor:
+        """``[len(seq_ids), vocab]``: the rows of ``seq_ids``, in that order."""
+        if list(seq_ids) == self.seq_ids:
+            return self.matrix
+        index = torch.tensor([self._index[seq_id] for seq_id in seq_ids], dtype=torch.long)
+        return self.matrix.index_select(0, index.to(self.matrix.device))
+
+
 class ModelRunner:
     """Owns the model and its KV cache; turns a scheduled batch into next-token logits."""
 
@@ -84,14 +118,20 @@ class ModelRunner:
     def device(self) -> torch.device:
         return self.kv_cache.k[0].device
 
-    def run(self, batch: ScheduledBatch) -> dict[int, torch.Tensor]:
+    def run(self, batch: ScheduledBatch) -> StepLogits:
         """Run ``batch``; return the ``[vocab]`` logits row of each sampling item by seq_id.
 
         Items whose sequence has finished (aborted after ``schedule``) are skipped: their
         blocks are gone.
         """
-        logits = self.verify(batch, {})
-        return {seq_id: rows[0] for seq_id, rows in logits.items()}
+        items, _, logits = self._run_items(batch, {})
+        seq_ids = [item.seq.seq_id for item in items if item.samples]
+        if len(seq_ids) < len(items):  # one row per item: keep the sampling items'
+            rows = [row for row, item in enumerate(items) if item.samples]
+            logits = logits.index_select(
+                0, torch.tensor(rows, dtype=torch.long, device=logits.device)
+            )
+        return StepLogits(seq_ids, logits)
 
     def verify(
         self, batch: ScheduledBatch, draft_token_ids: Mapping[int, Sequence[int]]
@@ -100,9 +140,23 @@ class ModelRunner:
         ``[1 + num_drafts, vocab]`` logits of each sampling item by seq_id (row ``i`` scores
         the token after draft ``i``). Draft K/V go to the slots after the sequence's tokens,
         which the scheduler gave it (``num_lookahead_tokens``)."""
+        items, slices, logits = self._run_items(batch, draft_token_ids)
+        out: dict[int, torch.Tensor] = {}
+        row = 0
+        for item, model_slice in zip(items, slices, strict=True):
+            if item.samples:
+                out[item.seq.seq_id] = logits[row : row + model_slice.num_logits]
+            row += model_slice.num_logits
+        return out
+
+    def _run_items(
+        self, batch: ScheduledBatch, draft_token_ids: Mapping[int, Sequence[int]]
+    ) -> tuple[list[ScheduledSequence], list[ModelSlice], torch.Tensor]:
+        """The batch's live items, their slices (drafts after the new tokens) and the logits
+        of :meth:`forward` over them."""
         items = [item for item in batch.items if item.seq.status is not SequenceStatus.FINISHED]
         if not items:
-            return {}
+            return [], [], torch.empty(0, 0)
         slices: list[ModelSlice] = []
         for item in items:
             seq = item.seq
@@ -117,20 +171,13 @@ class ModelRunner:
                 )
             slices.append(
                 ModelSlice(
-                    [*tokens, *drafts],
+                    [*tokens, *drafts] if drafts else tokens,
                     item.num_computed_tokens,
                     seq.block_table,
                     num_logits=1 + len(drafts),
                 )
             )
-        logits = self.forward(slices)
-        out: dict[int, torch.Tensor] = {}
-        row = 0
-        for item, model_slice in zip(items, slices, strict=True):
-            if item.samples:
-                out[item.seq.seq_id] = logits[row : row + model_slice.num_logits]
-            row += model_slice.num_logits
-        return out
+        return items, slices, self.forward(slices)
 
     def decode(self, input_ids: torch.Tensor, layout: StepLayout) -> torch.Tensor:
         """One step of decodes (a token a sequence, ``input_ids`` in ``layout``'s order)

@@ -9,8 +9,9 @@ tokens are the same whatever else shares the batch.
 On the CPU the sampled rows of a step are filtered and drawn in one call of the C kernel
 (:class:`~sluice.engine.models.native_sampling.NativeSampling`: the same filters, the same
 uniforms from the same generators, a few passes a row where torch makes a dozen whole-batch
-calls); greedy rows, other devices and ``SLUICE_NATIVE_KERNELS=0`` take the torch code here,
-which is the reference the kernel is tested against.
+calls), and the greedy rows in another (each row's first maximum and its logprob, two passes
+a row where torch made five whole-batch calls); other devices and ``SLUICE_NATIVE_KERNELS=0``
+take the torch code here, which is the reference the kernels are tested against.
 
 Numerically safe for every value :class:`~sluice.engine.sampling_params.SamplingParams`
 accepts. The logits are shifted so that their maximum is 0 BEFORE they are divided by the
@@ -62,7 +63,10 @@ class NonFiniteLogitsError(SamplingError):
 
 @dataclass(frozen=True, slots=True)
 class Sampled:
-    """One row's next token and its logprob under the model's (unfiltered) distribution."""
+    """One row's next token and its logprob under the model's (unfiltered) distribution.
+
+    The greedy kernel leaves the logprob out (NaN) where the request did not ask for
+    logprobs: the softmax's sum is most of its work."""
 
     token_id: int
     logprob: float
@@ -196,27 +200,29 @@ class Sampler:
             raise ValueError("logits must be [batch, vocab] with one params per row")
         rows = logits.float()
         native = load_native_sampling() if rows.device.type == "cpu" else None
+        if native is None:
+            return self._sample_torch(rows, params, request_ids)
+        greedy = [row for row, row_params in enumerate(params) if row_params.greedy]
         sampled = [row for row, row_params in enumerate(params) if not row_params.greedy]
-        if native is None or not sampled:
-            return self._sample_torch(rows, params, request_ids)
-        try:
-            drawn = self._sample_native(native, rows, sampled, params, request_ids)
-        except NativeKernelError:  # not expected (params are validated): the torch path
-            return self._sample_torch(rows, params, request_ids)
-        if len(sampled) == len(params):
-            return drawn
-        results: list[Sampled | Exception] = []
-        others = [row for row, row_params in enumerate(params) if row_params.greedy]
-        index = torch.tensor(others, device=rows.device)
-        rest = iter(
-            self._sample_torch(
-                rows[index], [params[row] for row in others], [request_ids[row] for row in others]
-            )
-        )
-        done = iter(drawn)
-        for row_params in params:
-            results.append(next(rest) if row_params.greedy else next(done))
-        return results
+        results: list[Sampled | Exception | None] = [None] * len(params)
+        if greedy:
+            picked = rows if not sampled else rows[torch.tensor(greedy)]
+            tokens, logprobs = native.greedy(picked, [params[row].logprobs for row in greedy])
+            for row, token, logprob in zip(greedy, tokens, logprobs, strict=True):
+                results[row] = NonFiniteLogitsError() if token < 0 else Sampled(token, logprob)
+        if sampled:
+            try:
+                drawn = self._sample_native(native, rows, sampled, params, request_ids)
+            except NativeKernelError:  # not expected (params are validated): the torch path
+                index = torch.tensor(sampled)
+                drawn = self._sample_torch(
+                    rows[index],
+                    [params[row] for row in sampled],
+                    [request_ids[row] for row in sampled],
+                )
+            for row, one in zip(sampled, drawn, strict=True):
+                results[row] = one
+        return [one for one in results if one is not None]
 
     def _sample_native(
         self,

@@ -49,6 +49,19 @@ class _SampleArgs(ctypes.Structure):
     )
 
 
+class _GreedyArgs(ctypes.Structure):
+    _fields_ = (
+        ("logits", ctypes.c_void_p),
+        ("with_logprob", ctypes.POINTER(ctypes.c_uint8)),
+        ("tokens", _int64_p),
+        ("logprobs", _float_p),
+        ("num_rows", ctypes.c_int64),
+        ("vocab", ctypes.c_int64),
+        ("stride", ctypes.c_int64),
+        ("num_threads", ctypes.c_int32),
+    )
+
+
 class _VerifyArgs(ctypes.Structure):
     _fields_ = (
         ("logits", ctypes.c_void_p),
@@ -89,6 +102,9 @@ class NativeSampling:
         self._sample = library.sluice_sample_f32
         self._sample.argtypes = (ctypes.POINTER(_SampleArgs),)
         self._sample.restype = ctypes.c_int
+        self._greedy = library.sluice_greedy_f32
+        self._greedy.argtypes = (ctypes.POINTER(_GreedyArgs),)
+        self._greedy.restype = ctypes.c_int
         self._verify = library.sluice_verify_f32
         self._verify.argtypes = (ctypes.POINTER(_VerifyArgs),)
         self._verify.restype = ctypes.c_int
@@ -119,6 +135,28 @@ class NativeSampling:
             torch.get_num_threads(),
         )
         _run(self._sample, args, "sampling", "a temperature, top-k, top-p or uniform")
+        return list(tokens), list(logprobs)
+
+    def greedy(
+        self, logits: torch.Tensor, with_logprobs: Sequence[bool]
+    ) -> tuple[list[int], list[float]]:
+        """Each row's first maximum (torch's argmax) of ``logits`` (``[n, vocab]``, float32
+        on the CPU) and, where ``with_logprobs`` says so, its logprob under the row's
+        softmax (else NaN); -1 (and NaN) for a row that is not finite."""
+        if logits.dim() != 2 or logits.device.type != "cpu" or logits.dtype is not torch.float32:
+            raise ValueError("the greedy kernel takes [n, vocab] float32 logits on the CPU")
+        in_rows = logits.stride(1) == 1 and logits.stride(0) >= logits.shape[1]
+        rows = logits if in_rows else logits.contiguous()
+        n = rows.shape[0]
+        if len(with_logprobs) != n:
+            raise ValueError(f"{len(with_logprobs)} logprob flags for {n} rows")
+        tokens = (ctypes.c_int64 * n)()
+        logprobs = (ctypes.c_float * n)()
+        args = _GreedyArgs(
+            rows.data_ptr(), (ctypes.c_uint8 * n)(*with_logprobs), tokens, logprobs, n,
+            rows.shape[1], rows.stride(0), torch.get_num_threads(),
+        )  # fmt: skip
+        _run(self._greedy, args, "greedy sampling", "its logits")
         return list(tokens), list(logprobs)
 
     def verify(

@@ -22,6 +22,10 @@
  * sequence gets the same tokens here as on the torch path, but where float rounding of p
  * differs. A row's p is only made when the rule reaches it.
  *
+ * Greedy rows (sluice_greedy_f32) take each row's first maximum, as torch's argmax, and
+ * its logprob where the row's request asked for one (the softmax's sum is most of the
+ * work): the torch path's max, isfinite, log_softmax and gather, in a few passes a row.
+ *
  * A row holding NaN or +inf, or only -inf, is not finite: it gets token -1 (sample) or its
  * sequence 0 tokens (verify), and the other rows go on. Returns 0, SLUICE_BAD_SHAPE for
  * arguments out of range (nothing is written), or SLUICE_NO_MEMORY.
@@ -42,6 +46,15 @@ typedef struct {
     int64_t num_rows, vocab, stride;
     int32_t num_threads;
 } sluice_sample_args;
+
+typedef struct {
+    const float *logits;         /* [num_rows, vocab], rows `stride` floats apart */
+    const uint8_t *with_logprob; /* [num_rows]: 0 skips the row's logprob (NaN) */
+    int64_t *tokens;             /* [num_rows] out: -1 for a row that is not finite */
+    float *logprobs;             /* [num_rows] out */
+    int64_t num_rows, vocab, stride;
+    int32_t num_threads;
+} sluice_greedy_args;
 
 typedef struct {
     const float *logits;         /* sequence s's k_s + 1 rows from row draft_start[s] + s */
@@ -67,18 +80,32 @@ static inline int64_t first_max(const float *values, int64_t n) {
     return best;
 }
 
-/* The maximum of row[0, n), NaN passed over: eight running maxima, which the compiler
- * makes one vector (a plain reduction may not be vectorised where NaN must be honoured). */
+/* The maximum of row[0, n), NaN passed over: 64 running maxima, which the compiler makes
+ * a few independent vectors (a plain reduction may not be vectorised where NaN must be
+ * honoured, and one vector of maxima waits on its own latency at every step). */
 static float row_max(const float *row, int64_t n) {
-    float lanes[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY,
-                      -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    float lanes[64];
+    for (int l = 0; l < 64; ++l) lanes[l] = -INFINITY;
     int64_t v = 0;
-    for (; v + 8 <= n; v += 8)
-        for (int l = 0; l < 8; ++l) lanes[l] = row[v + l] > lanes[l] ? row[v + l] : lanes[l];
+    for (; v + 64 <= n; v += 64)
+        for (int l = 0; l < 64; ++l) lanes[l] = row[v + l] > lanes[l] ? row[v + l] : lanes[l];
     for (int64_t t = v; t < n; ++t) lanes[0] = row[t] > lanes[0] ? row[t] : lanes[0];
     float top = lanes[0];
-    for (int l = 1; l < 8; ++l) top = lanes[l] > top ? lanes[l] : top;
+    for (int l = 1; l < 64; ++l) top = lanes[l] > top ? lanes[l] : top;
     return top;
+}
+
+/* The first index of row[0, n) that holds `value`, which it must hold: 64 values at a time
+ * compared at once, then the one run holding it searched. */
+static int64_t first_index_of(const float *row, int64_t n, float value) {
+    int64_t v = 0;
+    for (; v + 64 <= n; v += 64) {
+        int hit = 0;
+        for (int l = 0; l < 64; ++l) hit |= row[v + l] == value;
+        if (hit) break;
+    }
+    while (row[v] != value) ++v;
+    return v;
 }
 
 /* Whether a row is finite (no NaN, no +inf, some value above -inf); its maximum in *max.
@@ -287,6 +314,26 @@ int sluice_sample_f32(const sluice_sample_args *a) {
         free(scratch);
     }
     return status;
+}
+
+int sluice_greedy_f32(const sluice_greedy_args *a) {
+    if (a->num_rows < 0 || a->vocab <= 0 || a->stride < a->vocab) return SLUICE_BAD_SHAPE;
+    const int64_t vocab = a->vocab;
+    const int threads = a->num_threads < 1 ? 1 : a->num_threads;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && a->num_rows >= 16)
+    for (int64_t r = 0; r < a->num_rows; ++r) {
+        const float *row = a->logits + r * a->stride;
+        float max;
+        if (!row_finite(row, vocab, &max)) {
+            a->tokens[r] = -1;
+            a->logprobs[r] = NAN;
+            continue;
+        }
+        const int64_t token = first_index_of(row, vocab, max);
+        a->tokens[r] = token;
+        a->logprobs[r] = a->with_logprob[r] ? logprob_of(row, vocab, max, token) : NAN;
+    }
+    return 0;
 }
 
 /* Sequence s's verify (sluice_verify_f32); `p` holds vocab floats, `work` 2 vocab. */
