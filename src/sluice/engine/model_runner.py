@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from sluice.engine.kv_cache import KVCache
-from sluice.engine.models.step import StepLayout, StepSequence
+from sluice.engine.models.step import StepLayout, StepSequence, decode_layout
 from sluice.engine.scheduler import ScheduledBatch, ScheduledSequence
 from sluice.engine.sequence import SequenceStatus
 
@@ -124,6 +124,11 @@ class ModelRunner:
         Items whose sequence has finished (aborted after ``schedule``) are skipped: their
         blocks are gone.
         """
+        items = [item for item in batch.items if item.seq.status is not SequenceStatus.FINISHED]
+        if items and all(item.num_new_tokens == 1 and item.samples for item in items):
+            logits = self._decode_step(items)
+            if logits is not None:
+                return StepLogits([item.seq.seq_id for item in items], logits)
         items, _, logits = self._run_items(batch, {})
         seq_ids = [item.seq.seq_id for item in items if item.samples]
         if len(seq_ids) < len(items):  # one row per item: keep the sampling items'
@@ -148,6 +153,25 @@ class ModelRunner:
                 out[item.seq.seq_id] = logits[row : row + model_slice.num_logits]
             row += model_slice.num_logits
         return out
+
+    def _decode_step(self, items: list[ScheduledSequence]) -> torch.Tensor | None:
+        """A step of decodes (each item's one new token, which it samples) laid out by
+        :func:`~sluice.engine.models.step.decode_layout`; None where that does not take it."""
+        layout = decode_layout(
+            [item.seq.block_table for item in items],
+            [item.num_computed_tokens + 1 for item in items],
+            self.kv_cache,
+            max_positions=self.model.config.n_positions,
+        )
+        if layout is None:
+            return None
+        input_ids = torch.tensor(
+            [item.seq.token_ids[item.num_computed_tokens] for item in items],
+            dtype=torch.long,
+            device=self.device,
+        )
+        with torch.inference_mode():
+            return self.model.decode(input_ids, layout.positions, layout, self.kv_cache)
 
     def _run_items(
         self, batch: ScheduledBatch, draft_token_ids: Mapping[int, Sequence[int]]

@@ -23,6 +23,7 @@ __all__ = [
     "StepLayout",
     "StepSequence",
     "begin_step",
+    "decode_layout",
     "last_token_indices",
     "packed_slots",
     "paged_attention",
@@ -296,6 +297,61 @@ class StepLayout:
             AttentionGroup.of(group, num_tokens, kv_cache, device) for group in members if group
         )
         return cls(seqs, positions, slots, groups, native)
+
+
+def decode_layout(
+    block_tables: Sequence[Sequence[int]],
+    context_lens: Sequence[int],
+    kv_cache: KVCache,
+    *,
+    max_positions: int,
+) -> StepLayout | None:
+    """The layout of a step of decodes, sequence ``i``'s token at position
+    ``context_lens[i] - 1``, packed in order, attended by the C kernel; None where the
+    kernel does not take the cache (the caller lays the step out by :func:`begin_step`).
+
+    What :func:`begin_step` would give these sequences, in a few Python passes and five
+    tensors, where that path makes and checks a :class:`StepSequence` per sequence: at 64
+    decoding sequences that was a twentieth of the step. Raises :class:`StepError` as
+    that path would.
+    """
+    kernel = load_native_attention(kv_cache)
+    if kernel is None:
+        return None
+    if not block_tables or len(block_tables) != len(context_lens):
+        raise StepError(f"need a context length per block table, got {len(context_lens)}")
+    block_size = kv_cache.block_size
+    max_context = max(context_lens)
+    if max_context > max_positions or min(context_lens) < 1:
+        raise StepError(
+            f"context lengths {min(context_lens)}..{max_context} outside 1..{max_positions}"
+        )
+    max_blocks = num_blocks_for(max_context, block_size)
+    slots: list[int] = []
+    tables: list[list[int]] = []
+    for index, (table, context_len) in enumerate(zip(block_tables, context_lens, strict=True)):
+        position = context_len - 1
+        if len(table) <= position // block_size:
+            raise StepError(
+                f"sequence {index} needs {num_blocks_for(context_len, block_size)} blocks for "
+                f"context_len {context_len}, block_table has {len(table)}"
+            )
+        slots.append(table[position // block_size] * block_size + position % block_size)
+        row = list(table[:max_blocks])
+        if len(row) < max_blocks:
+            row += [0] * (max_blocks - len(row))
+        tables.append(row)
+    device = kv_cache.flat_k[0].device
+    rows = torch.arange(len(slots), dtype=torch.long)
+    contexts = torch.tensor(context_lens, dtype=torch.long)
+    native = NativeGroup(kernel, rows, rows, contexts, torch.tensor(tables, dtype=torch.long))
+    return StepLayout(
+        (),
+        (contexts - 1).to(device),
+        torch.tensor(slots, dtype=torch.long, device=device),
+        (),
+        native,
+    )
 
 
 def native_group(
