@@ -8,7 +8,12 @@ from collections.abc import Callable
 
 import pytest
 
-from sluice.backends.admission import RetryAfterPacer, StepCostModel, TtftPredictor
+from sluice.backends.admission import (
+    REFIT_EVERY_STEPS,
+    RetryAfterPacer,
+    StepCostModel,
+    TtftPredictor,
+)
 from sluice.engine.engine import StepStats
 
 
@@ -40,6 +45,23 @@ def test_step_cost_drops_a_term_rather_than_go_negative() -> None:
     step_s = cost.step_s(0, 10)
     assert step_s is not None
     assert 0.03 < step_s < 0.05  # the mean decode step
+
+
+def test_step_cost_is_refitted_every_few_steps_not_at_each() -> None:
+    """The first fit comes at ``min_steps``; then the fit stands for REFIT_EVERY_STEPS steps
+    (a fit is a few small solves, at every step a share of the event loop's core)."""
+    cost = StepCostModel(min_steps=3)
+    for _ in range(REFIT_EVERY_STEPS):
+        cost.observe(StepStats(0, 8, 0.02))
+    first = cost.step_s(0, 8)
+    assert first == pytest.approx(0.02)
+    for _ in range(REFIT_EVERY_STEPS - 1):
+        cost.observe(StepStats(0, 8, 0.08))
+        assert cost.step_s(0, 8) == first
+    cost.observe(StepStats(0, 8, 0.08))
+    refitted = cost.step_s(0, 8)
+    assert refitted is not None
+    assert refitted > 0.04
 
 
 def test_step_cost_forgets_old_steps() -> None:

@@ -51,7 +51,7 @@ import numpy as np
 
 from sluice.engine.engine import StepStats
 
-__all__ = ["RetryAfterPacer", "StepCostModel", "TtftPredictor"]
+__all__ = ["REFIT_EVERY_STEPS", "RetryAfterPacer", "StepCostModel", "TtftPredictor"]
 
 # The weight of one calibration sample in the running means and variances.
 _SAMPLE_WEIGHT = 0.05
@@ -64,6 +64,10 @@ _MIN_RATIO, _MAX_RATIO = 0.5, 4.0
 _MAX_LAG_S = 5.0
 
 
+# How many steps a step-cost fit stands for: the fit forgets a step's weight over hundreds.
+REFIT_EVERY_STEPS = 8
+
+
 class StepCostModel:
     """Seconds per engine step, ``a + b * prefill_tokens + c * decodes + d * drafts``,
     fitted to the steps the engine ran by exponentially weighted least squares (``drafts``:
@@ -71,8 +75,10 @@ class StepCostModel:
 
     Each step's weight decays by ``forgetting`` per later step (0.99: the last few hundred
     steps count). Coefficients stay non-negative: when the full fit has a negative one, the
-    best fit without that term is used. :meth:`step_s` is ``None`` until ``min_steps``
-    steps were seen. Steps with decodes also teach, with the same forgetting, the tokens
+    best fit without that term is used, refitted every :data:`REFIT_EVERY_STEPS` steps (a
+    fit is up to 15 small solves, 50 µs: at every step, a twentieth of a core that the
+    server's event loop spends on it when the engine runs in its own process). :meth:`step_s`
+    is ``None`` until ``min_steps`` steps were seen. Steps with decodes also teach, with the same forgetting, the tokens
     a decode emits (``tokens_per_decode``, 1 without speculation) and the drafts it
     verifies (``drafts_per_decode``).
     """
@@ -121,7 +127,9 @@ class StepCostModel:
             decodes, tokens, drafts = self._decode_sums
             self.tokens_per_decode = max(1.0, float(tokens / decodes))
             self.drafts_per_decode = float(drafts / decodes)
-        if self._num_steps >= self._min_steps:
+        if self._num_steps >= self._min_steps and (
+            self.coefficients is None or self._num_steps % REFIT_EVERY_STEPS == 0
+        ):
             self.coefficients = self._fit()
 
     def _fit(self) -> tuple[float, float, float, float] | None:
