@@ -22,7 +22,9 @@ from sluice.engine.models.step import (
     MAX_NATIVE_QUERY_TOKENS,
     StepLayout,
     StepSequence,
+    decode_layout,
     paged_attention,
+    write_and_attend,
 )
 
 BLOCK_SIZE = 4
@@ -161,6 +163,45 @@ def test_a_block_outside_the_cache_is_refused_not_read() -> None:
     layout = StepLayout.of([StepSequence(0, 1, 6, [3, NUM_BLOCKS + 10])], torch.tensor([5]), cache)
     with pytest.raises(NativeKernelError, match="outside"):
         paged_attention(torch.randn(1, 2, 32), layout, cache, 0)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2)])
+def test_the_kernel_writes_a_steps_new_kv_as_the_cache_write_does(
+    num_heads: int, num_kv_heads: int
+) -> None:
+    """A step of decodes whose K and V the kernel writes itself (``write_and_attend``) leaves
+    the cache and gives the attention of ``KVCache.write`` then ``paged_attention``; the
+    new K and V may be strided views (of a fused QKV projection)."""
+    caches = [make_cache(num_kv_heads, 32) for _ in range(2)]
+    seqs = make_step([1] * 5, [1, 4, 5, 17, 40])
+    tables = [list(seq.block_table) for seq in seqs]
+    contexts = [seq.context_len for seq in seqs]
+    qkv = torch.randn(5, num_heads + 2 * num_kv_heads, 32)
+    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    assert not k.is_contiguous()
+    fused = decode_layout(tables, contexts, caches[0], max_positions=64)
+    assert fused is not None
+    written = write_and_attend(q, k, v, fused, caches[0], 1)
+    positions = torch.tensor([context - 1 for context in contexts])
+    checked = StepLayout.of(seqs, positions, caches[1])
+    caches[1].write(1, checked.slots, k, v)
+    reference = paged_attention(q, checked, caches[1], 1)
+    torch.testing.assert_close(written, reference, atol=ATOL, rtol=0)
+    assert torch.equal(caches[0].flat_k[1], caches[1].flat_k[1])
+    assert torch.equal(caches[0].flat_v[1], caches[1].flat_v[1])
+
+
+def test_a_write_slot_outside_the_cache_is_refused_and_nothing_written() -> None:
+    cache = make_cache(num_kv_heads=2, head_dim=32)
+    layout = decode_layout([[3, 5]], [6], cache, max_positions=64)
+    assert layout is not None
+    assert layout.native is not None
+    layout.native.slots[0] = NUM_BLOCKS * BLOCK_SIZE  # the zero slot: not a block's
+    before = cache.flat_k[0].clone()
+    k = v = torch.randn(1, 2, 32)
+    with pytest.raises(NativeKernelError, match="outside"):
+        write_and_attend(torch.randn(1, 2, 32), k, v, layout, cache, 0)
+    assert torch.equal(cache.flat_k[0], before)
 
 
 def test_a_float16_cache_keeps_the_torch_path() -> None:

@@ -43,7 +43,7 @@ from sluice.engine.models.step import (
     StepSequence,
     begin_step,
     last_token_indices,
-    paged_attention,
+    write_and_attend,
 )
 
 __all__ = ["GPT2Config", "GPT2LMHeadModel", "GPT2StepError", "StepSequence"]
@@ -134,8 +134,8 @@ class GPT2Attention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv: torch.Tensor = self.c_attn(hidden)
         q, k, v = qkv.view(num_tokens, 3, self.num_heads, self.head_dim).unbind(dim=1)
-        kv_cache.write(self.layer_index, layout.slots, k, v)
-        out: torch.Tensor = self.c_proj(paged_attention(q, layout, kv_cache, self.layer_index))
+        attended = write_and_attend(q, k, v, layout, kv_cache, self.layer_index)
+        out: torch.Tensor = self.c_proj(attended)
         return out
 
 
@@ -173,8 +173,7 @@ class GPT2Block(nn.Module):
         x = F.layer_norm(hidden, ln_1.normalized_shape, ln_1.weight, ln_1.bias, ln_1.eps)
         qkv = torch.addmm(c_attn.bias, x, c_attn.weight)
         q, k, v = qkv.view(num_tokens, 3, attn.num_heads, attn.head_dim).unbind(dim=1)
-        kv_cache.write(attn.layer_index, layout.slots, k, v)
-        attended = paged_attention(q, layout, kv_cache, attn.layer_index)
+        attended = write_and_attend(q, k, v, layout, kv_cache, attn.layer_index)
         hidden = hidden + torch.addmm(attn_proj.bias, attended, attn_proj.weight)
         x = F.layer_norm(hidden, ln_2.normalized_shape, ln_2.weight, ln_2.bias, ln_2.eps)
         # gelu_new is GELU with the tanh approximation.

@@ -41,7 +41,7 @@ from sluice.engine.models.step import (
     StepSequence,
     begin_step,
     last_token_indices,
-    paged_attention,
+    write_and_attend,
 )
 
 __all__ = ["LlamaConfig", "LlamaForCausalLM"]
@@ -232,8 +232,8 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        kv_cache.write(self.layer_index, layout.slots, k, v)
-        out: torch.Tensor = self.o_proj(paged_attention(q, layout, kv_cache, self.layer_index))
+        attended = write_and_attend(q, k, v, layout, kv_cache, self.layer_index)
+        out: torch.Tensor = self.o_proj(attended)
         return out
 
 

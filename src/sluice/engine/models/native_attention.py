@@ -48,6 +48,10 @@ class _Args(ctypes.Structure):
         ("num_blocks", ctypes.c_int64),
         ("scale", ctypes.c_float),
         ("num_threads", ctypes.c_int32),
+        ("k_new", ctypes.c_void_p),
+        ("v_new", ctypes.c_void_p),
+        ("slots", ctypes.c_void_p),
+        ("new_stride", ctypes.c_int64),
     )
 
 
@@ -79,6 +83,8 @@ class NativeGroup:
 
     Row ``r`` is the query at packed token ``rows[r]`` of sequence ``row_seqs[r]`` (a row of
     ``tables``, its block table padded), which attends to its first ``row_lens[r]`` keys.
+    ``slots``, where given, is the cache slot of each row's own K and V, which
+    :meth:`attend` then writes itself when it is given them.
     """
 
     kernel: NativeAttention
@@ -86,6 +92,7 @@ class NativeGroup:
     row_seqs: torch.Tensor
     row_lens: torch.Tensor
     tables: torch.Tensor  # [num_seqs, max_blocks]
+    slots: torch.Tensor | None = None
     # The kernel's arguments, the rows' filled in once: each layer sets its tensors'.
     _args: _Args = field(init=False, repr=False, compare=False)
 
@@ -97,16 +104,36 @@ class NativeGroup:
         args.tables = self.tables.data_ptr()
         args.num_rows = self.rows.shape[0]
         args.table_stride = self.tables.shape[1]
+        if self.slots is not None:
+            if self.slots.shape != self.rows.shape or self.slots.dtype != torch.long:
+                raise ValueError("need an int64 slot per row")
+            args.slots = self.slots.data_ptr()
         object.__setattr__(self, "_args", args)
 
-    def attend(self, q: torch.Tensor, out: torch.Tensor, kv_cache: KVCache, layer: int) -> None:
+    def attend(
+        self,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        kv_cache: KVCache,
+        layer: int,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         """Write these rows' attention over layer ``layer`` of ``kv_cache`` into ``out``
         (contiguous ``[num_tokens, heads, dim]``), of ``q`` (the same shape, float32, each
-        token's heads contiguous)."""
+        token's heads contiguous). With ``new_kv``, the step's new K and V (``[num_tokens,
+        kv_heads, dim]``, float32), each row's are first written to its slot."""
         _, num_heads, head_dim = q.shape
         if q.stride(2) != 1 or q.stride(1) != head_dim:
             q = q.contiguous()
         args = self._args
+        args.k_new = args.v_new = None
+        if new_kv is not None:
+            if self.slots is None:
+                raise ValueError("these rows have no slots to write their K and V to")
+            k, v = (_heads_contiguous(part) for part in new_kv)
+            if k.stride(0) != v.stride(0):
+                k, v = k.contiguous(), v.contiguous()
+            args.k_new, args.v_new, args.new_stride = k.data_ptr(), v.data_ptr(), k.stride(0)
         args.q = q.data_ptr()
         args.out = out.data_ptr()
         args.k_cache = kv_cache.flat_k[layer].data_ptr()
@@ -120,6 +147,16 @@ class NativeGroup:
         args.scale = head_dim**-0.5
         args.num_threads = torch.get_num_threads()
         self.kernel.call(args)
+
+
+def _heads_contiguous(part: torch.Tensor) -> torch.Tensor:
+    """``part`` (``[num_tokens, kv_heads, dim]``) as the kernel reads a new K or V row: its
+    heads contiguous, float32 on the CPU."""
+    if part.dtype is not torch.float32 or part.device.type != "cpu":
+        raise ValueError("the kernel writes float32 K and V on the CPU")
+    if part.stride(2) == 1 and part.stride(1) == part.shape[2]:
+        return part
+    return part.contiguous()
 
 
 def load_native_attention(kv_cache: KVCache | None = None) -> NativeAttention | None:

@@ -15,10 +15,16 @@
  * products are summed in vector lanes (-fassociative-math), so the last bits differ from
  * torch's, as its own kernels differ from each other.
  *
- * Returns 0, or SLUICE_BAD_BLOCK when a block table names a block outside the cache (no
- * read outside the cache happens), or SLUICE_BAD_SHAPE.
+ * With k_new, the kernel first writes each row's new K and V to its slot: the step's two
+ * index_copy calls a layer, each a parallel region of its own, folded into this one.
+ *
+ * Returns 0, or SLUICE_BAD_BLOCK when a block table or a slot names a block outside the
+ * cache (no read or write outside the cache happens; nothing is written then), or
+ * SLUICE_BAD_SHAPE.
  */
 #include "kernel_common.c"
+
+#include <string.h>
 
 typedef struct {
     const float *q;          /* [num_tokens, num_heads, head_dim], rows q_stride apart */
@@ -39,6 +45,13 @@ typedef struct {
     int64_t num_blocks;
     float scale;
     int32_t num_threads;
+    /* NULL, or the step's new keys and values, row t of each at k_new + t * new_stride
+     * (heads contiguous): row r's token's K and V are written to cache slot slots[r]
+     * before any row attends (a decode's key is the last one it reads). */
+    const float *k_new;
+    const float *v_new;
+    const int64_t *slots; /* [num_rows] */
+    int64_t new_stride;
 } sluice_paged_attention_args;
 
 /* One query row, every head: scores over its keys, softmax, weighted values. `dim` is a
@@ -125,12 +138,28 @@ int sluice_paged_attention_f32(const sluice_paged_attention_args *a) {
             return SLUICE_BAD_SHAPE;
         max_len = a->row_lens[r] > max_len ? a->row_lens[r] : max_len;
     }
+    const int64_t row_floats = a->num_kv_heads * a->head_dim;
+    if (a->k_new != NULL) {
+        if (a->v_new == NULL || a->slots == NULL || a->new_stride < row_floats)
+            return SLUICE_BAD_SHAPE;
+        for (int64_t r = 0; r < a->num_rows; ++r)
+            if (a->slots[r] < 0 || a->slots[r] >= a->num_blocks * a->block_size)
+                return SLUICE_BAD_BLOCK;
+    }
     int threads = a->num_threads < 1 ? 1 : a->num_threads;
     if (threads > a->num_rows) threads = (int)a->num_rows;
     int status = 0;
     if (a->num_rows == 0) return 0;
 #pragma omp parallel num_threads(threads) reduction(| : status)
     {
+        if (a->k_new != NULL) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < a->num_rows; ++r) {
+                const int64_t from = a->rows[r] * a->new_stride, to = a->slots[r] * row_floats;
+                memcpy((float *)a->k_cache + to, a->k_new + from, sizeof(float) * row_floats);
+                memcpy((float *)a->v_cache + to, a->v_new + from, sizeof(float) * row_floats);
+            }
+        } /* the loop's barrier: every new key is in place before a row attends */
         float *scores = (float *)malloc(sizeof(float) * (size_t)(max_len * a->num_heads));
         if (scores == NULL) {
             status |= SLUICE_NO_MEMORY;

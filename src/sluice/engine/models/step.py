@@ -27,6 +27,7 @@ __all__ = [
     "last_token_indices",
     "packed_slots",
     "paged_attention",
+    "write_and_attend",
 ]
 
 
@@ -341,17 +342,12 @@ def decode_layout(
         if len(row) < max_blocks:
             row += [0] * (max_blocks - len(row))
         tables.append(row)
-    device = kv_cache.flat_k[0].device
     rows = torch.arange(len(slots), dtype=torch.long)
     contexts = torch.tensor(context_lens, dtype=torch.long)
-    native = NativeGroup(kernel, rows, rows, contexts, torch.tensor(tables, dtype=torch.long))
-    return StepLayout(
-        (),
-        (contexts - 1).to(device),
-        torch.tensor(slots, dtype=torch.long, device=device),
-        (),
-        native,
-    )
+    slot_tensor = torch.tensor(slots, dtype=torch.long)
+    tables_tensor = torch.tensor(tables, dtype=torch.long)
+    native = NativeGroup(kernel, rows, rows, contexts, tables_tensor, slots=slot_tensor)
+    return StepLayout((), contexts - 1, slot_tensor, (), native)
 
 
 def native_group(
@@ -400,6 +396,41 @@ def attend_group(
         enable_gqa=num_heads != num_kv_heads,
     )
     return attended.transpose(1, 2).reshape(group.n * group.q_len, num_heads, head_dim)
+
+
+def write_and_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: StepLayout,
+    kv_cache: KVCache,
+    layer: int,
+) -> torch.Tensor:
+    """The step's new ``k`` and ``v`` (``[num_tokens, kv_heads, dim]``) written to layer
+    ``layer`` of the cache at ``layout.slots``, then :func:`paged_attention` of ``q``: in
+    one kernel call where the C kernel takes every token and knows its slot (a step of
+    decodes, :func:`decode_layout`), else :meth:`KVCache.write` and then the attention."""
+    native = layout.native
+    if (
+        native is None
+        or native.slots is None
+        or layout.groups
+        or q.dtype is not torch.float32
+        or k.dtype is not torch.float32
+        or v.dtype is not torch.float32
+    ):
+        kv_cache.write(layer, layout.slots, k, v)
+        return paged_attention(q, layout, kv_cache, layer)
+    num_tokens, num_heads, head_dim = q.shape
+    expected = (num_tokens, kv_cache.num_kv_heads, kv_cache.head_dim)
+    if k.shape != expected or v.shape != expected or native.rows.shape[0] != num_tokens:
+        raise StepError(
+            f"k and v must have shape {expected} for {native.rows.shape[0]} rows, "
+            f"got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=torch.float32)
+    native.attend(q, out, kv_cache, layer, (k, v))
+    return out.view(num_tokens, num_heads * head_dim)
 
 
 def paged_attention(
