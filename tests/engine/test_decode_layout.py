@@ -5,12 +5,14 @@ take to that path."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
 from sluice.engine.kv_cache import KVCache
 from sluice.engine.models import StepError, StepSequence
-from sluice.engine.models.step import decode_layout
+from sluice.engine.models.step import decode_layout, long_tensor
 from tests.engine.test_decode_rounds import (
     BLOCK_SIZE,
     NUM_BLOCKS,
@@ -72,3 +74,13 @@ def test_a_cache_the_kernel_does_not_take_is_left_to_the_checked_path(
     monkeypatch.setenv("SLUICE_NATIVE_KERNELS", "0")
     float32 = make_model("gpt2").make_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
     assert decode_layout([[0]], [1], float32, max_positions=8) is None
+
+
+def test_long_tensor_holds_its_values_after_the_list_is_gone() -> None:
+    values = [7, -3, 2**40]
+    tensor = long_tensor(iter(values))
+    del values
+    gc.collect()
+    assert tensor.dtype == torch.long
+    assert tensor.tolist() == [7, -3, 2**40]
+    assert long_tensor([]).shape == (0,)

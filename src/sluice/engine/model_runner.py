@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from sluice.engine.kv_cache import KVCache
-from sluice.engine.models.step import StepLayout, StepSequence, decode_layout
+from sluice.engine.models.step import StepLayout, StepSequence, decode_layout, long_tensor
 from sluice.engine.scheduler import ScheduledBatch, ScheduledSequence
 from sluice.engine.sequence import SequenceStatus
 
@@ -165,11 +165,7 @@ class ModelRunner:
         )
         if layout is None:
             return None
-        input_ids = torch.tensor(
-            [item.seq.token_ids[item.num_computed_tokens] for item in items],
-            dtype=torch.long,
-            device=self.device,
-        )
+        input_ids = long_tensor(item.seq.token_ids[item.num_computed_tokens] for item in items)
         with torch.inference_mode():
             return self.model.decode(input_ids, layout.positions, layout, self.kv_cache)
 
