@@ -153,6 +153,11 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
+    def renamed(self, request_id: int) -> RequestStream:
+        """The same outputs under another id (a driver of several engines makes its ids
+        unique across them); only before iteration."""
+        return RequestStream(request_id, self._sink)
+
     def take_ready(self) -> list[RequestOutput]:
         """The outputs already here, without waiting: up to the finished one, and none past
         an end or an error (those are left for the next ``__anext__`` to end or raise). A

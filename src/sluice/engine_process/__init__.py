@@ -27,16 +27,19 @@ while starts fail).
 
 Modules: :mod:`~sluice.engine_process.wire` (what crosses the socket),
 :mod:`~sluice.engine_process.driver` (the server's side), :mod:`~sluice.engine_process.child`
-(the child's).
+(the child's), :mod:`~sluice.engine_process.replicas` (several children as one engine:
+``--engine-replicas``).
 """
 
 from sluice.engine_process.driver import EngineChild, ProcessEngine, start_child
+from sluice.engine_process.replicas import EngineReplicas
 from sluice.engine_process.wire import MAX_MESSAGE_BYTES, EngineInfo, EngineSpec
 
 __all__ = [
     "MAX_MESSAGE_BYTES",
     "EngineChild",
     "EngineInfo",
+    "EngineReplicas",
     "EngineSpec",
     "ProcessEngine",
     "start_child",

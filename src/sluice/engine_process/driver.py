@@ -168,6 +168,11 @@ class ProcessEngine:
         return self._running.is_set()
 
     @property
+    def num_live(self) -> int:
+        """Requests added and not yet ended, those still waiting for the child's answer too."""
+        return len(self._sinks) + sum(1 for _, sink in self._replies.values() if sink is not None)
+
+    @property
     def pid(self) -> int:
         """The child's process id (the current one's, after a restart)."""
         return self._child.process.pid
