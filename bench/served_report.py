@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT_SETUP",
     "ENGINE_ALONE",
     "HF_STATIC",
+    "REPLICAS",
     "SLUICE_SERVED",
     "TARGETS",
     "Level",
@@ -44,7 +45,8 @@ ENGINE_ALONE = "engine alone"
 HF_STATIC = "HF static batch"  # transformers' generate, a static batch, in-process
 DEFAULT_SETUP = "--engine-process"  # what `sluice serve --model` runs (since 2026-12-03)
 BASE_SETUP = "one process"  # the ratio column: the engine on a thread of the server
-SLUICE_SERVED = ("one process", "two processes", "--engine-process")
+REPLICAS = "--engine-replicas 2"  # two engine processes as one (sluice serve's option)
+SLUICE_SERVED = ("one process", "two processes", "--engine-process", REPLICAS)
 # (peer set-up, concurrent streams) -> the least Sluice / peer output tokens/s asked for.
 TARGETS: dict[tuple[str, int], float] = {
     ("vLLM serve", 64): 1.0,

@@ -15,6 +15,9 @@ serving ``models/sluice-tiny`` on 127.0.0.1 and each started once:
   --no-model --worker grpc://...`` in front of it, started by hand;
 - **--engine-process**: ``sluice serve --model models/sluice-tiny --engine-process``: the
   same split, made by ``sluice serve`` itself (``sluice.engine_process``);
+- **--engine-replicas 2**: ``sluice serve --model models/sluice-tiny --engine-replicas 2``:
+  two engine processes of half the cache and the cores' threads each, as one
+  (``sluice.engine_process.replicas``);
 - **HF static batch** (unless ``--no-hf``): ``transformers``' ``generate`` over the same
   prompt ids in a child process, C at a time as one static batch, fp32 on every core, no
   HTTP: the reference of the issue's third served target (64 streams served >= 1.5x it);
@@ -68,10 +71,10 @@ from engine_peers.launcher import PEERS_DIR, parse_peer_names, wait_for_quiet
 from engine_peers.protocol import ForeignCpu
 from peers import HOST, ServerProcess, WorkerChild, free_port, process_cpu_s, scan_log
 from served_client import MODEL, PROMPT_TOKENS, closed_loop, make_prompts
-from served_report import ENGINE_ALONE, HF_STATIC, Level, render
+from served_report import ENGINE_ALONE, HF_STATIC, REPLICAS, Level, render
 
 REPO = Path(__file__).resolve().parents[1]
-SETUPS = (ENGINE_ALONE, "one process", "two processes", "--engine-process")
+SETUPS = (ENGINE_ALONE, "one process", "two processes", "--engine-process", REPLICAS)
 ONE_PROCESS_OPTIONS = ("--no-engine-process",)
 # Prompts: a run's at C streams come from seed C + RUN_SEED_STEP x (run + 1), the warm-up's
 # from WARM_UP_SEED, so no server has seen a prompt before (random.seed(-n) is seed(n)).
@@ -104,9 +107,13 @@ class Setup:
 
 
 def serve_options(name: str, engine_threads: int | None) -> list[str]:
-    """``sluice serve``'s options for the one-process or ``--engine-process`` set-up."""
+    """``sluice serve``'s options for the one-process, ``--engine-process`` or replicas
+    set-up."""
     options = ["--model", str(MODEL)]
-    options += ["--engine-process"] if name == "--engine-process" else [*ONE_PROCESS_OPTIONS]
+    if name == REPLICAS:
+        options += ["--engine-process", *REPLICAS.split()]
+    else:
+        options += ["--engine-process"] if name == "--engine-process" else [*ONE_PROCESS_OPTIONS]
     if engine_threads is not None:
         options += ["--engine-threads", str(engine_threads)]
     return options

@@ -138,7 +138,13 @@ def test_served_throughput_quick_run_streams_the_same_greedy_text_in_every_set_u
     output = run_quick("served_throughput")
     # Exit 0 already means every request got all its tokens and no greedy text differs.
     for level in ("1", "8"):
-        setups = ("engine alone", "one process", "two processes", "--engine-process")
+        setups = (
+            "engine alone",
+            "one process",
+            "two processes",
+            "--engine-process",
+            "--engine-replicas 2",
+        )
         for setup in (*setups, "HF static batch"):
             row = table_row(output, f"| {level} | {setup} |")
             assert float(row[2].replace(",", "")) > 0, row

@@ -93,6 +93,8 @@ def test_engine_threads_reach_the_sluice_serve_set_ups_only() -> None:
     options = served_throughput.serve_options("--engine-process", 2)
     assert options[-2:] == ["--engine-threads", "2"]
     assert "--engine-threads" not in served_throughput.serve_options("one process", None)
+    replicas = served_throughput.serve_options("--engine-replicas 2", 1)
+    assert replicas[2:] == ["--engine-process", "--engine-replicas", "2", "--engine-threads", "1"]
 
 
 def test_missing_peer_is_a_reason_and_starts_nothing(tmp_path: Path) -> None:
