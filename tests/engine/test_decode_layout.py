@@ -10,7 +10,6 @@ import gc
 import pytest
 import torch
 
-from sluice.engine.kv_cache import KVCache
 from sluice.engine.models import StepError, StepSequence
 from sluice.engine.models.step import decode_layout, long_tensor
 from tests.engine.test_decode_rounds import (
@@ -61,16 +60,8 @@ def test_a_table_short_of_the_context_or_a_position_past_the_model_is_refused() 
 def test_a_cache_the_kernel_does_not_take_is_left_to_the_checked_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    cache = KVCache(
-        num_layers=1,
-        num_blocks=4,
-        block_size=4,
-        num_kv_heads=2,
-        head_dim=8,
-        dtype=torch.float64,
-        device="cpu",
-    )
-    assert decode_layout([[0]], [1], cache, max_positions=8) is None
+    float64 = make_model("gpt2").make_kv_cache(NUM_BLOCKS, BLOCK_SIZE, dtype=torch.float64)
+    assert decode_layout([[0]], [1], float64, max_positions=8) is None
     monkeypatch.setenv("SLUICE_NATIVE_KERNELS", "0")
     float32 = make_model("gpt2").make_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
     assert decode_layout([[0]], [1], float32, max_positions=8) is None
