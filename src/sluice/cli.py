@@ -303,10 +303,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run N engines, each in a child process of its own with 1/N of the KV cache "
         "and of --max-running, as one: a request goes to the one with the fewest live "
         "requests (default 1). Each gets the usable cores / N torch threads unless "
-        "--engine-threads says otherwise. On a small CPU machine shared with the server and "
-        "its clients, engines of one thread each lose nothing to threads waiting for each "
-        "other (2 on 2 cores: 10-12%% more tokens/s at 64 streams); one request's steps run "
-        "on fewer cores, and each replica loads the model and keeps its own prefix cache",
+        "--engine-threads says otherwise. For a small model on a small CPU machine shared "
+        "with the server and its clients: engines of one thread each lose nothing to "
+        "threads waiting for each other (sluice-tiny, 2 on 2 cores: about 15%% more tokens/s "
+        "at 64 streams); but one request's steps run on fewer cores, each replica loads the "
+        "model and keeps its own prefix cache, and a model bound by reading its weights "
+        "loses (SmolLM2-135M: a third)",
     )
     serve.add_argument(
         "--engine-process",

@@ -6,6 +6,8 @@ the server with two replicas streams what it does with one."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator
 
 import httpx
@@ -13,6 +15,7 @@ import pytest
 
 from sluice.backends import engine as engine_backend
 from sluice.cli import _embedded_engine, build_parser
+from sluice.engine.driver import EngineClosedError
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine_process import EngineReplicas, ProcessEngine, start_child
 from sluice.engine_process.replicas import merge_stats
@@ -76,6 +79,24 @@ async def test_an_abort_reaches_the_requests_replica_and_frees_its_blocks(
     assert stats["kv_blocks"] == 128
     assert stats["threads"] == 2  # one each
     assert not await replicas.abort(streams[0].request_id)
+
+
+async def test_a_replica_started_again_is_passed_over_while_another_runs(
+    replicas: EngineReplicas,
+) -> None:
+    dead = replicas.replicas[0]
+    stream = await replicas.add_request([1, 2, 3], SamplingParams(200, temperature=0))
+    assert stream.request_id % 2 == 0  # the first in turn
+    await anext(stream)
+    os.kill(dead.pid, signal.SIGKILL)
+    with pytest.raises(EngineClosedError, match="engine process"):
+        async for _ in stream:
+            pass
+    assert not dead.is_running  # its new process is still loading the model
+    for _ in range(3):
+        other = await replicas.add_request([4, 5, 6], SamplingParams(2, temperature=0))
+        assert other.request_id % 2 == 1
+        assert len([output async for output in other]) >= 1
 
 
 async def test_only_stats_are_merged(replicas: EngineReplicas) -> None:

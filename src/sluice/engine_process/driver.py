@@ -337,15 +337,27 @@ class ProcessEngine:
         await asyncio.to_thread(dead.kill)
         while True:
             try:
-                child = await asyncio.to_thread(start_child, self._spec, RESTART_TIMEOUT_S)
+                child = await asyncio.to_thread(self._start_unless_closing)
             except (OSError, RuntimeError):
                 logger.exception("starting the engine process again failed")
                 await asyncio.sleep(RESTART_BACKOFF_S)
                 continue
+            if child is None:
+                return
             break
         self.num_restarts += 1
         await self._attach(child)
         logger.info("the engine process is back (pid %d)", child.process.pid)
+
+    def _start_unless_closing(self) -> EngineChild | None:
+        """Start a child (in a thread); one that a closing engine no longer wants, because
+        :meth:`aclose` came while it loaded (and cancelled the wait, not the thread), is
+        stopped here, its socket closed."""
+        child = start_child(self._spec, RESTART_TIMEOUT_S)
+        if self._closing:
+            child.kill()
+            return None
+        return child
 
 
 def _restarting() -> CapacityError:

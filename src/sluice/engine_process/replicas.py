@@ -93,11 +93,16 @@ class EngineReplicas:
             await stack.aclose()
 
     def _pick(self) -> int:
-        """The replica with the fewest live requests; among equals, the next in turn."""
-        fewest = min(replica.num_live for replica in self._replicas)
+        """The running replica with the fewest live requests, among equals the next in turn
+        (one being started again after its process died is passed over while another
+        runs; with none running, the next in turn refuses the request: a ``503``)."""
+        running = [replica.is_running for replica in self._replicas]
+        if not any(running):
+            return next(self._turn)
+        fewest = min(r.num_live for r, up in zip(self._replicas, running, strict=True) if up)
         for _ in self._replicas:
             index = next(self._turn)
-            if self._replicas[index].num_live == fewest:
+            if running[index] and self._replicas[index].num_live == fewest:
                 return index
         raise AssertionError("no replica has the fewest live requests")  # pragma: no cover
 
