@@ -184,9 +184,12 @@ def test_sluice_serve_engine_process_streams_the_in_process_text() -> None:
     assert texts[0]
 
 
-def test_a_client_that_goes_away_frees_the_childs_kv_blocks() -> None:
+@pytest.mark.parametrize(
+    "flags", [("--engine-process",), ("--engine-replicas", "2")], ids=["one", "replicas"]
+)
+def test_a_client_that_goes_away_frees_the_childs_kv_blocks(flags: tuple[str, ...]) -> None:
     body = {"prompt": PROMPTS[1], "max_tokens": 200, "ignore_eos": True, "stream": True}
-    with ServerProcess("--model", str(TEST_MODEL), "--engine-process") as server:
+    with ServerProcess("--model", str(TEST_MODEL), *flags) as server:
         server.wait_ready()
         with httpx.stream(
             "POST", f"{server.base_url}/v1/completions", json=body, timeout=30
