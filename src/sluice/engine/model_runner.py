@@ -124,12 +124,12 @@ class ModelRunner:
         Items whose sequence has finished (aborted after ``schedule``) are skipped: their
         blocks are gone.
         """
-        items = [item for item in batch.items if item.seq.status is not SequenceStatus.FINISHED]
+        items = _live_items(batch)
         if items and all(item.num_new_tokens == 1 and item.samples for item in items):
             logits = self._decode_step(items)
             if logits is not None:
                 return StepLogits([item.seq.seq_id for item in items], logits)
-        items, _, logits = self._run_items(batch, {})
+        _, logits = self._run_items(items, {})
         seq_ids = [item.seq.seq_id for item in items if item.samples]
         if len(seq_ids) < len(items):  # one row per item: keep the sampling items'
             rows = [row for row, item in enumerate(items) if item.samples]
@@ -145,7 +145,8 @@ class ModelRunner:
         ``[1 + num_drafts, vocab]`` logits of each sampling item by seq_id (row ``i`` scores
         the token after draft ``i``). Draft K/V go to the slots after the sequence's tokens,
         which the scheduler gave it (``num_lookahead_tokens``)."""
-        items, slices, logits = self._run_items(batch, draft_token_ids)
+        items = _live_items(batch)
+        slices, logits = self._run_items(items, draft_token_ids)
         out: dict[int, torch.Tensor] = {}
         row = 0
         for item, model_slice in zip(items, slices, strict=True):
@@ -170,13 +171,12 @@ class ModelRunner:
             return self.model.decode(input_ids, layout.positions, layout, self.kv_cache)
 
     def _run_items(
-        self, batch: ScheduledBatch, draft_token_ids: Mapping[int, Sequence[int]]
-    ) -> tuple[list[ScheduledSequence], list[ModelSlice], torch.Tensor]:
-        """The batch's live items, their slices (drafts after the new tokens) and the logits
-        of :meth:`forward` over them."""
-        items = [item for item in batch.items if item.seq.status is not SequenceStatus.FINISHED]
+        self, items: list[ScheduledSequence], draft_token_ids: Mapping[int, Sequence[int]]
+    ) -> tuple[list[ModelSlice], torch.Tensor]:
+        """The items' slices (drafts after the new tokens) and the logits of :meth:`forward`
+        over them."""
         if not items:
-            return [], [], torch.empty(0, 0)
+            return [], torch.empty(0, 0)
         slices: list[ModelSlice] = []
         for item in items:
             seq = item.seq
@@ -197,7 +197,7 @@ class ModelRunner:
                     num_logits=1 + len(drafts),
                 )
             )
-        return items, slices, self.forward(slices)
+        return slices, self.forward(slices)
 
     def decode(self, input_ids: torch.Tensor, layout: StepLayout) -> torch.Tensor:
         """One step of decodes (a token a sequence, ``input_ids`` in ``layout``'s order)
@@ -235,3 +235,9 @@ class ModelRunner:
                 self.kv_cache,
             )
         return logits
+
+
+def _live_items(batch: ScheduledBatch) -> list[ScheduledSequence]:
+    """The batch's items whose sequence has not finished (one aborted after ``schedule``
+    has no blocks left)."""
+    return [item for item in batch.items if item.seq.status is not SequenceStatus.FINISHED]

@@ -313,6 +313,17 @@ class StepLayout:
         return cls(seqs, positions, slots, groups, native)
 
 
+def padded_tables(block_tables: Sequence[Sequence[int]], max_blocks: int) -> torch.Tensor:
+    """``[len(block_tables), max_blocks]`` int64: each table cut to ``max_blocks``, or
+    padded with block 0 (never read: the kernel reads a row's keys up to its length)."""
+    return long_tensor(
+        itertools.chain.from_iterable(
+            itertools.islice(itertools.chain(table, itertools.repeat(0)), max_blocks)
+            for table in block_tables
+        )
+    ).view(len(block_tables), max_blocks)
+
+
 def decode_layout(
     block_tables: Sequence[Sequence[int]],
     context_lens: Sequence[int],
@@ -340,9 +351,7 @@ def decode_layout(
         raise StepError(
             f"context lengths {min(context_lens)}..{max_context} outside 1..{max_positions}"
         )
-    max_blocks = num_blocks_for(max_context, block_size)
     slots: list[int] = []
-    tables: list[list[int]] = []
     for index, (table, context_len) in enumerate(zip(block_tables, context_lens, strict=True)):
         position = context_len - 1
         if len(table) <= position // block_size:
@@ -351,15 +360,11 @@ def decode_layout(
                 f"context_len {context_len}, block_table has {len(table)}"
             )
         slots.append(table[position // block_size] * block_size + position % block_size)
-        row = list(table[:max_blocks])
-        if len(row) < max_blocks:
-            row += [0] * (max_blocks - len(row))
-        tables.append(row)
     rows = torch.arange(len(slots), dtype=torch.long)
     contexts = long_tensor(context_lens)
     slot_tensor = long_tensor(slots)
-    tables_tensor = long_tensor(itertools.chain.from_iterable(tables)).view(len(tables), -1)
-    native = NativeGroup(kernel, rows, rows, contexts, tables_tensor, slots=slot_tensor)
+    tables = padded_tables(block_tables, num_blocks_for(max_context, block_size))
+    native = NativeGroup(kernel, rows, rows, contexts, tables, slots=slot_tensor)
     return StepLayout((), contexts - 1, slot_tensor, (), native)
 
 
@@ -368,11 +373,6 @@ def native_group(
 ) -> NativeGroup:
     """The kernel's rows for ``seqs``: each new token attends to the keys up to its own."""
     max_blocks = num_blocks_for(max(seq.context_len for seq in seqs), kv_cache.block_size)
-    tables = [
-        list(seq.block_table[:max_blocks])
-        + [0] * (max_blocks - min(max_blocks, len(seq.block_table)))
-        for seq in seqs
-    ]
     rows: list[int] = []
     row_seqs: list[int] = []
     row_lens: list[int] = []
@@ -386,7 +386,7 @@ def native_group(
         long_tensor(rows),
         long_tensor(row_seqs),
         long_tensor(row_lens),
-        long_tensor(itertools.chain.from_iterable(tables)).view(len(tables), -1),
+        padded_tables([seq.block_table for seq in seqs], max_blocks),
     )
 
 
